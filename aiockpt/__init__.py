@@ -1,0 +1,74 @@
+"""aiockpt: an asyncio-native checkpoint manager for PyTorch with pluggable storage.
+
+Names are imported lazily (PEP 562), so the daemon and the CLI, which run as ``aiockpt.*``
+modules, never pay for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "AsyncCheckpointManager": "._manager",
+    "CheckpointInfo": "._manager",
+    "SaveHandle": "._manager",
+    "AnyOf": ".retention",
+    "BestN": ".retention",
+    "EveryNSeconds": ".retention",
+    "EveryNSteps": ".retention",
+    "LatestN": ".retention",
+    "Event": ".events",
+    "CheckpointError": ".errors",
+    "CheckpointNotFoundError": ".errors",
+    "CorruptCheckpointError": ".errors",
+    "DaemonDiedError": ".errors",
+    "StorageError": ".errors",
+    "UnsupportedValueError": ".errors",
+}
+
+__all__ = [
+    "AnyOf",
+    "AsyncCheckpointManager",
+    "BestN",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "DaemonDiedError",
+    "Event",
+    "EveryNSeconds",
+    "EveryNSteps",
+    "LatestN",
+    "SaveHandle",
+    "StorageError",
+    "UnsupportedValueError",
+]
+
+if TYPE_CHECKING:
+    from ._manager import AsyncCheckpointManager, CheckpointInfo, SaveHandle
+    from .errors import (
+        CheckpointError,
+        CheckpointNotFoundError,
+        CorruptCheckpointError,
+        DaemonDiedError,
+        StorageError,
+        UnsupportedValueError,
+    )
+    from .events import Event
+    from .retention import AnyOf, BestN, EveryNSeconds, EveryNSteps, LatestN
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'aiockpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -1,0 +1,370 @@
+"""On-disk format version 1: names, the safetensors shard header, the manifest and its validation.
+
+Everything read back from storage is untrusted: :func:`parse_manifest` and :func:`parse_header`
+check every field before a byte range is used. This module imports neither torch nor fsspec, so
+the daemon and the CLI stay light.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import CorruptCheckpointError
+
+FORMAT = "aiockpt"
+VERSION = 1
+MANIFEST = "manifest.json"
+#: The data section of a shard starts on this boundary, so the slab can be written with O_DIRECT.
+ALIGN = 4096
+#: A header larger than this is refused before it is read (20k tensors need about 2 MiB).
+MAX_HEADER_BYTES = 256 * 1024 * 1024
+MAX_NDIM = 64
+
+#: safetensors dtype name -> item size in bytes. The fixed list a checkpoint may use.
+DTYPE_SIZES: dict[str, int] = {
+    "F64": 8,
+    "I64": 8,
+    "U64": 8,
+    "C64": 8,
+    "F32": 4,
+    "I32": 4,
+    "U32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I16": 2,
+    "U16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3FNUZ": 1,
+    "F8_E5M2FNUZ": 1,
+}
+
+_STEP_DIR = re.compile(r"step_(\d{12})")
+_SHARD_FILE = re.compile(r"shard_r(\d{5})\.safetensors")
+
+
+def step_dirname(step: int) -> str:
+    return f"step_{step:012d}"
+
+
+def parse_step_dirname(name: str) -> int | None:
+    """The step of a step directory's name, or None when the name is not one."""
+    m = _STEP_DIR.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def shard_filename(rank: int) -> str:
+    return f"shard_r{rank:05d}.safetensors"
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+# --------------------------------------------------------------------------- shard header
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One tensor of a shard: its name, dtype, shape and byte range inside the data section."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def build_header(specs: list[TensorSpec], metadata: dict[str, str] | None = None) -> bytes:
+    """The 8-byte length plus the JSON header, padded with spaces so the data starts aligned."""
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = metadata
+    for s in specs:
+        header[s.name] = {
+            "dtype": s.dtype,
+            "shape": list(s.shape),
+            "data_offsets": [s.start, s.end],
+        }
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    total = align_up(8 + len(text))
+    text += b" " * (total - 8 - len(text))
+    return struct.pack("<Q", len(text)) + text
+
+
+def parse_header(head: bytes, file_size: int, *, path: str) -> tuple[int, dict[str, TensorSpec]]:
+    """Validate a shard's header; return (data start, specs by name). ``head`` holds it whole."""
+    if len(head) < 8:
+        raise CorruptCheckpointError(f"{path}: shard shorter than its header length", path=path)
+    (n,) = struct.unpack("<Q", head[:8])
+    if n > MAX_HEADER_BYTES or 8 + n > file_size or 8 + n > len(head):
+        raise CorruptCheckpointError(f"{path}: shard header length {n} is out of range", path=path)
+    try:
+        raw = json.loads(head[8 : 8 + n])
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CorruptCheckpointError(f"{path}: shard header is not JSON: {e}", path=path) from None
+    if not isinstance(raw, dict):
+        raise CorruptCheckpointError(f"{path}: shard header is not an object", path=path)
+    data_start = 8 + n
+    limit = file_size - data_start
+    specs: dict[str, TensorSpec] = {}
+    for name, entry in raw.items():
+        if name == "__metadata__":
+            continue
+        specs[name] = _tensor_spec(name, entry, limit, path, offsets_key="data_offsets")
+    return data_start, specs
+
+
+def _tensor_spec(name: Any, entry: Any, limit: int, path: str, *, offsets_key: str) -> TensorSpec:
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{path}: tensor {name!r}: {why}", path=path, key=str(name))
+
+    if not isinstance(name, str) or not isinstance(entry, dict):
+        raise bad("malformed entry")
+    dtype = entry.get("dtype")
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+        raise bad(f"unknown dtype {dtype!r}")
+    shape = entry.get("shape")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_NDIM
+        or not all(type(d) is int and d >= 0 for d in shape)
+    ):
+        raise bad(f"bad shape {shape!r}")
+    offsets = entry.get(offsets_key)
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(type(o) is int for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1] <= limit
+    ):
+        raise bad(f"byte range {offsets!r} lies outside the file")
+    if math.prod(shape) * DTYPE_SIZES[dtype] != offsets[1] - offsets[0]:
+        raise bad(f"shape {shape} of {dtype} does not match its {offsets[1] - offsets[0]} bytes")
+    return TensorSpec(name, dtype, tuple(shape), offsets[0], offsets[1])
+
+
+# --------------------------------------------------------------------------- manifest
+
+
+@dataclass(frozen=True, slots=True)
+class ShardRecord:
+    file: str
+    rank: int
+    nbytes: int
+    crc32c: int
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRecord:
+    """A tensor in the manifest: byte range [start, end) is absolute within its shard file."""
+
+    shard: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+    crc32c: int
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """A validated manifest. ``tensors`` maps shard file -> tensor name -> record;
+    ``trees`` maps rank -> that rank's state tree."""
+
+    step: int
+    created_at: float
+    world_size: int
+    shards: list[ShardRecord]
+    tensors: dict[str, dict[str, TensorRecord]]
+    trees: dict[int, Any]
+    metrics: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.shards)
+
+    def shard_of(self, rank: int) -> ShardRecord:
+        for s in self.shards:
+            if s.rank == rank:
+                return s
+        raise KeyError(rank)
+
+
+def manifest_json(
+    *,
+    step: int,
+    created_at: float,
+    world_size: int,
+    shards: list[dict[str, Any]],
+    tensors_json: str,
+    trees_json: str,
+    metrics: dict[str, Any],
+    metadata: dict[str, Any],
+) -> bytes:
+    """The manifest text. ``tensors_json`` and ``trees_json`` come pre-encoded (large, cached)."""
+    head = json.dumps(
+        {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": step,
+            "created_at": created_at,
+            "world_size": world_size,
+            "shards": shards,
+            "metrics": metrics,
+            "metadata": metadata,
+        },
+        separators=(",", ":"),
+        allow_nan=False,
+        ensure_ascii=False,
+    )
+    # Splice the big members in as text: json.dumps of 20k tensor entries each save is the cost.
+    return (head[:-1] + ',"tensors":' + tensors_json + ',"trees":' + trees_json + "}").encode()
+
+
+def parse_manifest(data: bytes, *, path: str, step: int | None = None) -> Manifest:
+    """Validate an untrusted manifest. Raises :class:`CorruptCheckpointError` naming ``path``."""
+
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{path}: {why}", path=path)
+
+    try:
+        raw = json.loads(data)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise bad(f"manifest is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise bad("manifest is not a JSON object")
+    if raw.get("format") != FORMAT:
+        raise bad(f"not an aiockpt manifest (format {raw.get('format')!r})")
+    if raw.get("version") != VERSION:
+        raise bad(f"unsupported format version {raw.get('version')!r}")
+    m_step = raw.get("step")
+    if type(m_step) is not int or m_step < 0 or (step is not None and m_step != step):
+        raise bad(f"manifest step {m_step!r} does not match its directory")
+    created = raw.get("created_at")
+    if type(created) not in (int, float) or not math.isfinite(created):
+        raise bad("bad created_at")
+    world = raw.get("world_size")
+    if type(world) is not int or not 1 <= world <= 1 << 20:
+        raise bad(f"bad world_size {world!r}")
+    shards_raw = raw.get("shards")
+    if not isinstance(shards_raw, list) or len(shards_raw) != world:
+        raise bad("the shards do not match the world size")
+    shards: list[ShardRecord] = []
+    for s in shards_raw:
+        if not isinstance(s, dict):
+            raise bad("malformed shard entry")
+        f, r, nb, crc = s.get("file"), s.get("rank"), s.get("nbytes"), s.get("crc32c")
+        m = _SHARD_FILE.fullmatch(f) if isinstance(f, str) else None
+        if m is None:
+            raise bad(f"shard file name {f!r} is not a plain shard name")
+        if type(r) is not int or r != int(m.group(1)) or not 0 <= r < world:
+            raise bad(f"shard {f}: bad rank {r!r}")
+        if type(nb) is not int or nb < 8:
+            raise bad(f"shard {f}: bad size {nb!r}")
+        if type(crc) is not int or not 0 <= crc < 2**32:
+            raise bad(f"shard {f}: bad crc32c {crc!r}")
+        shards.append(ShardRecord(f, r, nb, crc))
+    sizes = {s.file: s.nbytes for s in shards}
+    if len(sizes) != len(shards):
+        raise bad("a shard is listed twice")
+    tensors_raw = raw.get("tensors")
+    if not isinstance(tensors_raw, dict) or set(tensors_raw) != set(sizes):
+        raise bad("tensors must map each shard file to its tensors")
+    tensors: dict[str, dict[str, TensorRecord]] = {}
+    for shard, entries in tensors_raw.items():
+        if not isinstance(entries, dict):
+            raise bad(f"tensors of {shard} is not an object")
+        records = tensors[shard] = {}
+        for name, entry in entries.items():
+            spec = _tensor_spec(name, entry, sizes[shard], path, offsets_key="byte_range")
+            crc = entry.get("crc32c")
+            if type(crc) is not int or not 0 <= crc < 2**32:
+                raise CorruptCheckpointError(
+                    f"{path}: tensor {name!r}: bad crc32c", path=path, key=name
+                )
+            records[name] = TensorRecord(shard, spec.dtype, spec.shape, spec.start, spec.end, crc)
+    trees_raw = raw.get("trees")
+    if not isinstance(trees_raw, dict) or set(trees_raw) != {str(s.rank) for s in shards}:
+        raise bad("trees must map each rank to its state tree")
+    trees = {int(r): t for r, t in trees_raw.items()}
+    metrics = raw.get("metrics", {})
+    metadata = raw.get("metadata", {})
+    if not isinstance(metrics, dict) or not isinstance(metadata, dict):
+        raise bad("metrics and metadata must be objects")
+    return Manifest(m_step, float(created), world, shards, tensors, trees, metrics, metadata)
+
+
+def tensors_json(specs: list[TensorSpec], data_start: int, crcs: list[int]) -> str:
+    """One shard's manifest tensor entries (byte ranges made absolute), with their crcs."""
+    return json.dumps(
+        {
+            s.name: {
+                "dtype": s.dtype,
+                "shape": list(s.shape),
+                "byte_range": [data_start + s.start, data_start + s.end],
+                "crc32c": crc,
+            }
+            for s, crc in zip(specs, crcs, strict=True)
+        },
+        separators=(",", ":"),
+        ensure_ascii=False,
+    )
+
+
+def check_tree(tree: Any, tensor_names: set[str], *, path: str) -> None:
+    """Validate an untrusted tree from a manifest; every tensor reference must exist."""
+
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{path}: malformed tree: {why}", path=path)
+
+    stack = [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > 1000:
+            raise bad("nested too deeply")
+        if not isinstance(node, dict) or len(node) != 1:
+            raise bad(f"node {str(node)[:80]!r}")
+        ((tag, body),) = node.items()
+        if tag == "T":
+            if body not in tensor_names:
+                raise bad(f"reference to unknown tensor {str(body)[:80]!r}")
+        elif tag == "D":
+            if not isinstance(body, list):
+                raise bad("dict body is not a list")
+            for item in body:
+                if (
+                    not isinstance(item, list)
+                    or len(item) != 2
+                    or isinstance(item[0], bool)
+                    or not isinstance(item[0], (str, int))
+                ):
+                    raise bad("dict item")
+                stack.append((item[1], depth + 1))
+        elif tag in ("L", "U"):
+            if not isinstance(body, list):
+                raise bad("list body is not a list")
+            stack.extend((child, depth + 1) for child in body)
+        elif tag == "S":
+            stack.append((body, depth + 1))
+        elif tag == "V":
+            if body is not None and not isinstance(body, (bool, int, float, str)):
+                raise bad("value is not a JSON scalar")
+        elif tag == "F":
+            if body not in ("nan", "inf", "-inf"):
+                raise bad("bad float")
+        else:
+            raise bad(f"unknown tag {tag!r}")

@@ -1,0 +1,616 @@
+"""AsyncCheckpointManager and SaveHandle: the trainer side of aiockpt."""
+
+from __future__ import annotations
+
+import _posixshmem
+import contextlib
+import itertools
+import json
+import math
+import mmap
+import os
+import pickle
+import subprocess
+import sys
+import time
+import uuid as uuid_mod
+from collections.abc import Generator, Iterable, Mapping
+from dataclasses import dataclass, field
+from multiprocessing import Pipe
+from typing import Any
+
+import anyio
+import torch
+
+from . import _format as fmt
+from ._channel import (
+    Channel,
+    DaemonConfig,
+    EventMsg,
+    Ready,
+    Reply,
+    Request,
+    SaveDone,
+    SaveReq,
+    SlabFree,
+    Stop,
+)
+from ._staging import LayoutCache, SlabPool
+from ._state import ST_TO_TORCH, flatten, load_into, unflatten
+from .errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    DaemonDiedError,
+    DaemonStartError,
+    InvalidStepError,
+    ManagerClosedError,
+    StepExistsError,
+    UnsupportedValueError,
+)
+from .events import EventDispatcher, EventHandler, process_group_info
+from .retention import CheckpointRecord, RetentionPolicy, best_order
+
+__all__ = ["AsyncCheckpointManager", "CheckpointInfo", "SaveHandle"]
+
+DEFAULT_ROOT = "checkpoints"
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    """A committed checkpoint."""
+
+    step: int
+    url: str
+    created_at: float
+    nbytes: int
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+class SaveHandle:
+    """The pending commit of one save. ``await handle`` gives its :class:`CheckpointInfo`."""
+
+    def __init__(self, step: int, uuid: str) -> None:
+        self.step = step
+        self.uuid = uuid
+        self._event = anyio.Event()
+        self._info: CheckpointInfo | None = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def _resolve(
+        self, info: CheckpointInfo | None = None, error: BaseException | None = None
+    ) -> None:
+        if not self._event.is_set():
+            self._info, self._error = info, error
+            self._event.set()
+
+    async def wait(self) -> CheckpointInfo:
+        await self._event.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._info is not None
+        return self._info
+
+    def __await__(self) -> Generator[Any, None, CheckpointInfo]:
+        return self.wait().__await__()
+
+    def __repr__(self) -> str:
+        state = "pending" if not self.done() else ("failed" if self._error else "committed")
+        return f"<SaveHandle step={self.step} {state}>"
+
+
+class _Daemon:
+    """One running daemon process and its pipe."""
+
+    def __init__(self, proc: subprocess.Popen, chan: Channel) -> None:
+        self.proc = proc
+        self.chan = chan
+        self.alive = True
+        self.layouts_sent: set[int] = set()
+        self.stopping = False
+
+
+class AsyncCheckpointManager:
+    """Saves and loads checkpoints of a training run through a persistent daemon process.
+
+    Use it as an async context manager; see the README for the API and docs/ for the design.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str] | None = None,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        max_pending: int = 2,
+        retention: RetentionPolicy | None = None,
+        event_handlers: Iterable[EventHandler] = (),
+        process_group: Any = None,
+        start_timeout: float = 60.0,
+        close_timeout: float | None = None,
+    ) -> None:
+        if root is None:
+            root = os.environ.get("AIOCKPT_ROOT") or DEFAULT_ROOT
+        self.url = os.fspath(root)
+        if not self.url:
+            raise ValueError("root must not be empty")
+        self.storage_options = dict(storage_options or {})
+        if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
+            raise ValueError(f"max_pending must be a positive int, not {max_pending!r}")
+        self.max_pending = max_pending
+        self.retention = _check_policy(retention)
+        self.start_timeout = start_timeout
+        self.close_timeout = close_timeout
+        self.process_group = process_group
+        self._handlers = list(event_handlers)
+        self._state = "new"
+        self._daemon: _Daemon | None = None
+        self._pool = SlabPool(max_pending)
+        self._layouts = LayoutCache()
+        self._pending: dict[str, SaveHandle] = {}
+        self._in_flight_steps: set[int] = set()
+        self._committed: set[int] = set()
+        self._requests: dict[int, tuple[anyio.Event, list[Any]]] = {}
+        self._request_ids = itertools.count(1)
+        self._spawn_lock = anyio.Lock()
+        self._exit_stack: contextlib.AsyncExitStack | None = None
+        self.rank = 0
+        self.world_size = 1
+        self.events = EventDispatcher(self._handlers)
+
+    # ----------------------------------------------------------------- lifecycle
+
+    async def __aenter__(self) -> AsyncCheckpointManager:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def open(self) -> None:
+        if self._state != "new":
+            raise ManagerClosedError(f"the manager is {self._state}; a manager opens once")
+        self.events = EventDispatcher(
+            self._handlers, process_group=process_group_info(self.process_group)
+        )
+        stack = contextlib.AsyncExitStack()
+        self._tg = await stack.enter_async_context(anyio.create_task_group())
+        self._exit_stack = stack
+        try:
+            await self._spawn(collect_partials=True)
+            self._committed = set(await self._request("steps"))
+        except BaseException:
+            self._state = "closed"
+            with anyio.CancelScope(shield=True):
+                await self._stop_daemon()
+            await self._shutdown()
+            raise
+        self._state = "open"
+
+    async def aclose(self) -> None:
+        """Wait for pending saves, stop the daemon, and free every shared-memory segment."""
+        if self._state != "open":
+            self._state = "closed"
+            return
+        self._state = "closing"
+        try:
+            with anyio.CancelScope(shield=True):
+                if self.close_timeout is None:
+                    await self._drain()
+                else:
+                    with anyio.move_on_after(self.close_timeout):
+                        await self._drain()
+        finally:
+            self._state = "closed"
+            with anyio.CancelScope(shield=True):
+                await self._stop_daemon()
+            await self._shutdown()
+
+    async def _drain(self) -> None:
+        for handle in list(self._pending.values()):
+            with contextlib.suppress(Exception):
+                await handle.wait()
+
+    async def _stop_daemon(self) -> None:
+        d = self._daemon
+        if d is not None and d.alive:
+            d.stopping = True
+            with contextlib.suppress(OSError, ValueError):
+                d.chan.send(Stop())
+            code = await anyio.to_thread.run_sync(_wait_process, d.proc, 30.0)
+            if code is None:
+                d.proc.kill()
+                await anyio.to_thread.run_sync(d.proc.wait)
+        if d is not None:
+            d.chan.close()
+
+    async def _shutdown(self) -> None:
+        """Exit the task group (never inside a cancel scope of our own) and free the slabs."""
+        if self._exit_stack is not None:
+            self._tg.cancel_scope.cancel()
+            await self._exit_stack.aclose()
+            self._exit_stack = None
+        self._pool.close()
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise ManagerClosedError(
+                "the manager is not open; use `async with AsyncCheckpointManager(...)`"
+                if self._state == "new"
+                else f"the manager is {self._state}"
+            )
+
+    # ----------------------------------------------------------------- the daemon
+
+    async def _spawn(self, *, collect_partials: bool = False) -> _Daemon:
+        parent, child = Pipe(duplex=True)
+        env = dict(os.environ)
+        # The daemon imports aiockpt from wherever this process did.
+        pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [pkg_parent, env.get("PYTHONPATH")]))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "aiockpt._daemon", str(child.fileno())],
+            pass_fds=(child.fileno(),),
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
+        child.close()  # else EOF never arrives when the daemon dies
+        chan = Channel(parent)
+        d = _Daemon(proc, chan)
+        try:
+            chan.send(
+                DaemonConfig(
+                    url=self.url,
+                    storage_options=self.storage_options,
+                    retention=self.retention,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    trainer_pid=os.getpid(),
+                    collect_partials=collect_partials,
+                )
+            )
+            with anyio.fail_after(self.start_timeout):
+                ready = await chan.recv()
+        except TimeoutError:
+            proc.kill()
+            await anyio.to_thread.run_sync(proc.wait)
+            chan.close()
+            raise DaemonStartError(
+                f"the daemon did not report READY within {self.start_timeout} s"
+            ) from None
+        except (EOFError, OSError):
+            code = await anyio.to_thread.run_sync(proc.wait)
+            chan.close()
+            raise DaemonStartError(
+                f"the daemon exited with code {code} before it was ready"
+            ) from None
+        if not isinstance(ready, Ready) or ready.error is not None:
+            await anyio.to_thread.run_sync(_wait_process, proc, 10.0)
+            chan.close()
+            if isinstance(ready, Ready) and ready.error is not None:
+                raise ready.error
+            raise DaemonStartError(f"the daemon answered {ready!r} instead of READY")
+        self._daemon = d
+        self._tg.start_soon(self._reader, d)
+        self.events.emit("daemon.spawn", where="daemon")
+        return d
+
+    async def _live_daemon(self) -> _Daemon:
+        async with self._spawn_lock:
+            d = self._daemon
+            if d is None or not d.alive:
+                d = await self._spawn()
+                self.events.emit("daemon.restart", where="daemon")
+                self._committed = set(await self._request("steps"))
+            return d
+
+    async def _reader(self, d: _Daemon) -> None:
+        while True:
+            try:
+                msg = await d.chan.recv()
+            except (EOFError, OSError):
+                break
+            if isinstance(msg, SlabFree):
+                self._pool.release(msg.slab)
+            elif isinstance(msg, SaveDone):
+                self._save_done(msg)
+            elif isinstance(msg, Reply):
+                slot = self._requests.pop(msg.id, None)
+                if slot is not None:
+                    slot[1].append(msg)
+                    slot[0].set()
+            elif isinstance(msg, EventMsg):
+                self.events.emit(msg.name, uuid=msg.uuid, step=msg.step, **msg.fields)
+        await self._daemon_gone(d)
+
+    async def _daemon_gone(self, d: _Daemon) -> None:
+        d.alive = False
+        code = await anyio.to_thread.run_sync(_wait_process, d.proc, 10.0)
+        self.events.emit("daemon.exit", where="daemon")
+        if d.stopping and not self._pending and not self._requests:
+            return
+        err = DaemonDiedError(
+            f"the checkpoint daemon (pid {d.proc.pid}) died with exit code {code}", exit_code=code
+        )
+        for handle in list(self._pending.values()):
+            self._fail(handle, err)
+        for ev, box in self._requests.values():
+            box.append(Reply(-1, error=err))
+            ev.set()
+        self._requests.clear()
+        self._pool.release_all()
+
+    def _save_done(self, msg: SaveDone) -> None:
+        handle = self._pending.pop(msg.uuid, None)
+        if handle is None:
+            return
+        self._in_flight_steps.discard(handle.step)
+        if msg.info is not None:
+            self._committed.add(handle.step)
+            self._committed.difference_update(msg.deleted)
+        if msg.error is not None and msg.info is None:
+            self.events.emit("save.exception", uuid=handle.uuid, step=handle.step, error=msg.error)
+        else:
+            self.events.emit(
+                "save.end",
+                uuid=handle.uuid,
+                step=handle.step,
+                nbytes=msg.info["nbytes"] if msg.info else None,
+            )
+        info = CheckpointInfo(**msg.info) if msg.info is not None else None
+        handle._resolve(info, msg.error)
+
+    def _fail(self, handle: SaveHandle, err: BaseException) -> None:
+        self._pending.pop(handle.uuid, None)
+        self._in_flight_steps.discard(handle.step)
+        self.events.emit("save.exception", uuid=handle.uuid, step=handle.step, error=err)
+        handle._resolve(error=err)
+
+    async def _request(self, op: str, **args: Any) -> Any:
+        d = self._daemon
+        if d is None or not d.alive:
+            d = await self._live_daemon()
+        rid = next(self._request_ids)
+        ev, box = anyio.Event(), []
+        self._requests[rid] = (ev, box)
+        try:
+            d.chan.send(Request(rid, op, args))
+        except (OSError, ValueError):
+            self._requests.pop(rid, None)
+            raise DaemonDiedError(
+                "the checkpoint daemon is gone", exit_code=d.proc.poll()
+            ) from None
+        await ev.wait()
+        reply: Reply = box[0]
+        if reply.error is not None:
+            raise reply.error
+        return reply.value
+
+    # ----------------------------------------------------------------- save
+
+    async def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        metrics: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> SaveHandle:
+        """Snapshot ``state`` and start writing it; returns once the state may be mutated."""
+        self._check_open()
+        handle = SaveHandle(step if isinstance(step, int) else -1, uuid_mod.uuid4().hex)
+        t0 = time.monotonic()
+        self.events.emit("save.start", uuid=handle.uuid, step=handle.step)
+        try:
+            self._check_step(step)
+            clean_metrics = _clean_metrics(metrics)
+            clean_metadata = _clean_metadata(metadata)
+            flat = flatten(state)
+            layout = self._layouts.get(flat)
+            d = await self._live_daemon()
+            self._in_flight_steps.add(step)
+            try:
+                slab = await self._pool.acquire(layout.file_size, layout.id)
+                try:
+                    await anyio.to_thread.run_sync(slab.copy_in, layout, flat.tensors)
+                    send_layout = layout.id not in d.layouts_sent
+                    req = SaveReq(
+                        uuid=handle.uuid,
+                        step=step,
+                        slab=slab.name,
+                        slab_size=slab.size,
+                        layout_id=layout.id,
+                        layout=layout.message() if send_layout else None,
+                        tree=flat.tree,
+                        metrics=clean_metrics,
+                        metadata=clean_metadata,
+                        forget=self._pool.take_forgotten(),
+                    )
+                    if not d.alive:
+                        raise DaemonDiedError(
+                            "the checkpoint daemon died during staging", exit_code=d.proc.poll()
+                        )
+                    self._pending[handle.uuid] = handle
+                    d.chan.send(req)
+                    d.layouts_sent.add(layout.id)
+                except BaseException:
+                    self._pending.pop(handle.uuid, None)
+                    self._pool.release(slab.name)
+                    raise
+            except BaseException:
+                self._in_flight_steps.discard(step)
+                raise
+        except BaseException as e:
+            if isinstance(e, (OSError, EOFError)) and not isinstance(e, CheckpointError):
+                e = DaemonDiedError(
+                    f"the checkpoint daemon is gone: {e}",
+                    exit_code=self._daemon.proc.poll() if self._daemon else None,
+                )
+            self.events.emit("save.exception", uuid=handle.uuid, step=handle.step, error=e)
+            raise e
+        self.events.emit(
+            "save.staged",
+            uuid=handle.uuid,
+            step=step,
+            duration_s=time.monotonic() - t0,
+            nbytes=layout.file_size,
+        )
+        return handle
+
+    def _check_step(self, step: Any) -> None:
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise InvalidStepError(f"step must be an int, not {type(step).__name__}")
+        if step < 0:
+            raise InvalidStepError(f"step must be >= 0, not {step}")
+        if step >= 10**12:
+            raise InvalidStepError(f"step {step} does not fit the 12-digit step directory names")
+        if step in self._committed:
+            raise StepExistsError(f"step {step} is already committed in {self.url}")
+        if step in self._in_flight_steps:
+            raise StepExistsError(f"step {step} is already being saved")
+
+    async def wait(self) -> None:
+        """Wait until every pending save has committed; raises the first failure."""
+        self._check_open()
+        first: BaseException | None = None
+        for handle in list(self._pending.values()):
+            try:
+                await handle.wait()
+            except CheckpointError as e:
+                first = first or e
+        if first is not None:
+            raise first
+
+    # ----------------------------------------------------------------- queries and load
+
+    async def steps(self) -> list[int]:
+        """Committed steps, ascending."""
+        self._check_open()
+        return list(await self._request("steps"))
+
+    async def latest_step(self) -> int | None:
+        steps = await self.steps()
+        return steps[-1] if steps else None
+
+    async def best_step(self, metric: str, mode: str = "min") -> int | None:
+        """The committed step with the best ``metric`` (None when no checkpoint has it)."""
+        self._check_open()
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', not {mode!r}")
+        records = [CheckpointRecord(s, t, m) for s, t, m in await self._request("records")]
+        order = best_order(records, metric, mode)
+        return records[order[0]].step if order else None
+
+    async def load(self, step: int | None = None, *, into: Any = None) -> Any:
+        """The state saved at ``step`` (latest committed when None). With ``into``, restore in
+        place into its tensors and stateful objects and return it."""
+        self._check_open()
+        if step is not None:
+            self._check_load_step(step)
+        op = uuid_mod.uuid4().hex
+        t0 = time.monotonic()
+        self.events.emit("load.start", uuid=op, step=step)
+        try:
+            reply = await self._request("load", step=step, rank=self.rank)
+            tensors = _map_loaded(reply)
+            if into is None:
+                result = unflatten(reply["tree"], tensors)
+            else:
+                result = await anyio.to_thread.run_sync(load_into, into, reply["tree"], tensors)
+        except BaseException as e:
+            self.events.emit("load.exception", uuid=op, step=step, error=e)
+            raise
+        self.events.emit(
+            "load.end",
+            uuid=op,
+            step=reply["step"],
+            duration_s=time.monotonic() - t0,
+            nbytes=reply["nbytes"],
+        )
+        return result
+
+    @staticmethod
+    def _check_load_step(step: Any) -> None:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise InvalidStepError(f"step must be a non-negative int or None, not {step!r}")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _wait_process(proc: subprocess.Popen, timeout: float) -> int | None:
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _check_policy(policy: Any) -> RetentionPolicy | None:
+    if policy is None:
+        return None
+    if not isinstance(policy, RetentionPolicy):
+        raise TypeError(
+            f"retention must be a policy with a keep() method, not {type(policy).__name__}"
+        )
+    try:
+        data = pickle.dumps(policy)
+    except Exception as e:
+        raise TypeError(
+            f"the retention policy {policy!r} cannot be sent to the daemon: {e}"
+        ) from None
+    if b"__main__" in data:
+        raise TypeError(
+            f"the retention policy {policy!r} is defined in __main__, which the daemon does not "
+            "import; define it in an importable module"
+        )
+    return policy
+
+
+def _clean_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in (metrics or {}).items():
+        if not isinstance(k, str):
+            raise UnsupportedValueError(f"metrics/{k!r}", "metric names must be str")
+        if isinstance(v, torch.Tensor):
+            if v.numel() != 1:
+                raise UnsupportedValueError(f"metrics/{k}", "a tensor metric must hold one value")
+            v = v.item()
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise UnsupportedValueError(
+                f"metrics/{k}", f"metrics must be numbers, not {type(v).__name__}"
+            )
+        if isinstance(v, float) and not math.isfinite(v):
+            v = "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+        out[k] = v
+    return out
+
+
+def _clean_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    data = dict(metadata or {})
+    try:
+        json.dumps(data, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise UnsupportedValueError("metadata", f"metadata must be plain JSON: {e}") from None
+    return data
+
+
+def _map_loaded(reply: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Map the daemon's load segment and view each tensor in it (no copy)."""
+    name, size = reply["segment"], reply["size"]
+    fd = _posixshmem.shm_open(name, os.O_RDWR, mode=0o600)
+    try:
+        mm = mmap.mmap(fd, max(size, 1))
+    finally:
+        os.close(fd)
+        _posixshmem.shm_unlink(name)  # the mapping lives on as long as the tensors do
+    u8 = torch.frombuffer(mm, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+    tensors = {}
+    for key, (dtype_name, shape, offset) in reply["tensors"].items():
+        dtype = ST_TO_TORCH[dtype_name]
+        itemsize = fmt.DTYPE_SIZES[dtype_name]
+        if offset % itemsize:
+            raise CorruptCheckpointError(f"tensor {key!r} is not aligned to its item size", key=key)
+        nbytes = math.prod(shape) * itemsize
+        tensors[key] = u8[offset : offset + nbytes].view(dtype).view(shape)
+    return tensors

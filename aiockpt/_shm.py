@@ -1,0 +1,70 @@
+"""POSIX shared-memory segments, owned explicitly.
+
+``multiprocessing.shared_memory`` registers every segment with a resource tracker that unlinks
+it when *that* process exits, even when another process still needs it (fixed only in 3.13 with
+``track=False``). Slabs cross processes by design, so aiockpt owns their lifetime itself: the
+trainer creates and unlinks them, and the daemon unlinks what it knows of if the trainer dies.
+"""
+
+from __future__ import annotations
+
+import _posixshmem
+import contextlib
+import mmap
+import os
+import secrets
+
+PREFIX = "aiockpt"
+
+
+def new_name(kind: str) -> str:
+    return f"/{PREFIX}-{os.getpid()}-{kind}-{secrets.token_hex(6)}"
+
+
+class Segment:
+    """A mapped shared-memory segment. ``buf`` is a writable memoryview of the whole mapping."""
+
+    __slots__ = ("buf", "mm", "name", "size")
+
+    def __init__(self, name: str, size: int, *, create: bool) -> None:
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = _posixshmem.shm_open(name, flags, mode=0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            elif os.fstat(fd).st_size < size:
+                raise ValueError(f"shared memory {name} is smaller than {size} bytes")
+            # mmap of length 0 is an error; an empty save still gets a one-page segment.
+            self.mm = mmap.mmap(fd, max(size, 1))
+        except BaseException:
+            os.close(fd)
+            if create:
+                unlink(name)
+            raise
+        os.close(fd)
+        self.name = name
+        self.size = size
+        self.buf = memoryview(self.mm)
+
+    @classmethod
+    def create(cls, size: int, kind: str = "slab") -> Segment:
+        return cls(new_name(kind), size, create=True)
+
+    @classmethod
+    def attach(cls, name: str, size: int) -> Segment:
+        return cls(name, size, create=False)
+
+    def close(self) -> None:
+        """Unmap. Every view of ``buf`` (numpy, torch.frombuffer) must be dropped first."""
+        if self.buf is not None:
+            self.buf.release()
+            self.buf = None
+            self.mm.close()
+
+    def unlink(self) -> None:
+        unlink(self.name)
+
+
+def unlink(name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        _posixshmem.shm_unlink(name)

@@ -1,0 +1,238 @@
+"""Staging: shard layouts and the pool of shared-memory slabs the trainer copies into.
+
+A slab is one shared-memory segment holding a whole shard file: the safetensors header, then
+every tensor, packed by descending item size so each stays naturally aligned and the data
+section starts on a 4096-byte boundary. The daemon writes the slab as it is. Slabs are pooled:
+fresh shared memory costs a page fault per page, a warm slab only the copy.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import anyio
+import torch
+
+from . import _format as fmt
+from ._channel import LayoutMsg
+from ._shm import Segment
+from ._state import TORCH_TO_ST, Flat
+
+_layout_ids = itertools.count(1)
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    id: int
+    header: bytes
+    #: (name, dtype, shape, start, end) in file order, offsets relative to the data section.
+    specs: tuple[fmt.TensorSpec, ...]
+    #: For each tensor in flatten order, its index in ``specs``.
+    order: tuple[int, ...]
+
+    @property
+    def data_start(self) -> int:
+        return len(self.header)
+
+    @property
+    def file_size(self) -> int:
+        return self.data_start + (self.specs[-1].end if self.specs else 0)
+
+    def message(self) -> LayoutMsg:
+        return LayoutMsg(
+            self.id,
+            self.data_start,
+            self.file_size,
+            tuple((s.name, s.dtype, s.shape, s.start, s.end) for s in self.specs),
+        )
+
+
+def _key(flat: Flat) -> tuple:
+    return tuple((n, t.dtype, t.shape) for n, t in zip(flat.names, flat.tensors, strict=True))
+
+
+class LayoutCache:
+    """Layouts by the state's shape, so a training loop computes its layout once."""
+
+    def __init__(self, size: int = 8) -> None:
+        self._cache: OrderedDict[tuple, Layout] = OrderedDict()
+        self._size = size
+
+    def get(self, flat: Flat) -> Layout:
+        key = _key(flat)
+        layout = self._cache.get(key)
+        if layout is None:
+            layout = self._cache[key] = make_layout(flat)
+            if len(self._cache) > self._size:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        return layout
+
+
+def make_layout(flat: Flat) -> Layout:
+    n = len(flat.tensors)
+    sizes = [t.element_size() for t in flat.tensors]
+    # Descending item size keeps every tensor naturally aligned with no padding (safetensors
+    # allows no gaps); sorted() is stable, so equal sizes keep their tree order.
+    file_order = sorted(range(n), key=lambda i: -sizes[i])
+    specs = []
+    pos = 0
+    where = [0] * n
+    for j, i in enumerate(file_order):
+        t = flat.tensors[i]
+        nbytes = t.numel() * sizes[i]
+        specs.append(
+            fmt.TensorSpec(flat.names[i], TORCH_TO_ST[t.dtype], tuple(t.shape), pos, pos + nbytes)
+        )
+        where[i] = j
+        pos += nbytes
+    return Layout(next(_layout_ids), fmt.build_header(specs), tuple(specs), tuple(where))
+
+
+class Slab:
+    """A pooled segment, with views of it cached for the last layout copied in."""
+
+    def __init__(self, size: int) -> None:
+        self.seg = Segment.create(size)
+        self.u8 = torch.frombuffer(self.seg.buf, dtype=torch.uint8)
+        self.layout_id = 0
+        self.views: list[torch.Tensor] = []
+        self.pinned = False
+        # Fault every page in now, off the save path's copy (madvise is a hint, so touch too).
+        if hasattr(self.seg.mm, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
+            self.seg.mm.madvise(mmap.MADV_WILLNEED)
+        self.u8.zero_()
+
+    @property
+    def name(self) -> str:
+        return self.seg.name
+
+    @property
+    def size(self) -> int:
+        return self.seg.size
+
+    def prepare(self, layout: Layout) -> list[torch.Tensor]:
+        """Destination views in flatten order; writes the header when the layout changes."""
+        if self.layout_id != layout.id:
+            self.views = []
+            self.u8[: layout.data_start].copy_(
+                torch.frombuffer(bytearray(layout.header), dtype=torch.uint8)
+            )
+            base = layout.data_start
+            by_file = [
+                self.u8[base + s.start : base + s.end].view(fmt_dtype(s.dtype)).view(s.shape)
+                for s in layout.specs
+            ]
+            self.views = [by_file[j] for j in layout.order]
+            self.layout_id = layout.id
+        return self.views
+
+    def copy_in(self, layout: Layout, tensors: list[torch.Tensor]) -> None:
+        """The snapshot: copy every tensor into the slab (runs in a worker thread)."""
+        dsts = self.prepare(layout)
+        cpu_dst, cpu_src, cuda_pairs = [], [], []
+        for d, s in zip(dsts, tensors, strict=True):
+            if s.is_cuda:
+                cuda_pairs.append((d, s))
+            elif s.numel():
+                cpu_dst.append(d)
+                cpu_src.append(s)
+        if cpu_dst:
+            with torch.no_grad():
+                torch._foreach_copy_(cpu_dst, cpu_src)
+        if cuda_pairs:
+            self._copy_from_cuda(cuda_pairs)
+
+    def _copy_from_cuda(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        # Device-to-host straight into the slab. Pinning (cudaHostRegister) makes the copies
+        # true async DMA; each source device's stream is synchronized before we return.
+        if not self.pinned:
+            rc = torch.cuda.cudart().cudaHostRegister(self.u8.data_ptr(), self.size, 0)
+            self.pinned = int(rc) == 0
+        devices = set()
+        with torch.no_grad():
+            for d, s in pairs:
+                d.copy_(s, non_blocking=self.pinned)
+                devices.add(s.device)
+        for dev in devices:
+            torch.cuda.current_stream(dev).synchronize()
+
+    def close(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.u8.data_ptr())
+            self.pinned = False
+        self.views = []
+        del self.u8
+        self.seg.close()
+        self.seg.unlink()
+
+
+def fmt_dtype(name: str) -> torch.dtype:
+    from ._state import ST_TO_TORCH
+
+    return ST_TO_TORCH[name]
+
+
+class SlabPool:
+    """At most ``max_pending`` slabs; ``acquire`` waits while all are busy (backpressure)."""
+
+    def __init__(self, max_pending: int) -> None:
+        self.max_pending = max_pending
+        self._sem = anyio.Semaphore(max_pending)
+        self._free: list[Slab] = []
+        self._busy: dict[str, Slab] = {}
+        #: Names of slabs destroyed since the daemon was last told.
+        self.forgotten: list[str] = []
+
+    async def acquire(self, size: int, layout_id: int) -> Slab:
+        await self._sem.acquire()
+        try:
+            slab = self._pick(size, layout_id)
+            if slab is None:
+                slab = await anyio.to_thread.run_sync(Slab, fmt.align_up(max(size, 1)))
+        except BaseException:
+            self._sem.release()
+            raise
+        self._busy[slab.name] = slab
+        return slab
+
+    def _pick(self, size: int, layout_id: int) -> Slab | None:
+        fits = [s for s in self._free if s.size >= size]
+        if not fits:
+            if self._free:  # all too small: replace one rather than grow the pool
+                old = self._free.pop()
+                self.forgotten.append(old.name)
+                old.close()
+            return None
+        same = [s for s in fits if s.layout_id == layout_id]
+        slab = (same or sorted(fits, key=lambda s: s.size))[0]
+        self._free.remove(slab)
+        return slab
+
+    def release(self, name: str) -> None:
+        slab = self._busy.pop(name, None)
+        if slab is not None:
+            self._free.append(slab)
+            self._sem.release()
+
+    def take_forgotten(self) -> tuple[str, ...]:
+        names, self.forgotten = tuple(self.forgotten), []
+        return names
+
+    def release_all(self) -> None:
+        for name in list(self._busy):
+            self.release(name)
+
+    def close(self) -> None:
+        self.release_all()
+        for slab in self._free:
+            slab.close()
+        self._free = []
+
+    @property
+    def busy(self) -> int:
+        return len(self._busy)

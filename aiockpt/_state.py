@@ -1,0 +1,202 @@
+"""Flatten a state tree into tensors plus a JSON tree, and rebuild or restore it on load.
+
+The tree keeps the state's exact nesting in JSON, one tagged node per value:
+
+    {"T": name}              a tensor, stored in the shard under ``name``
+    {"D": [[key, node], …]}  a dict; keys are str or int (optimizers key their state by int)
+    {"L": [node, …]}         a list
+    {"U": [node, …]}         a tuple
+    {"S": node}              an object with state_dict()/load_state_dict(); node is its state dict
+    {"V": value}             int, str, bool, None or a finite float
+    {"F": "nan"|"inf"|"-inf"} a non-finite float (JSON has no literal for it)
+
+Tensor names are the key path joined by "/", so a checkpoint opened with safetensors reads as
+``model/layer.weight``. Nothing is pickled: any other value is refused with its key path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import LoadMismatchError, UnsupportedValueError
+
+#: torch dtype <-> safetensors dtype name.
+TORCH_TO_ST: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
+    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+    torch.complex64: "C64",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+}
+ST_TO_TORCH: dict[str, torch.dtype] = {v: k for k, v in TORCH_TO_ST.items()}
+
+
+def is_stateful(obj: Any) -> bool:
+    return (
+        not isinstance(obj, torch.Tensor)
+        and callable(getattr(obj, "state_dict", None))
+        and callable(getattr(obj, "load_state_dict", None))
+    )
+
+
+@dataclass(slots=True)
+class Flat:
+    """A flattened state: tensors in tree order and the JSON-able tree."""
+
+    names: list[str]
+    tensors: list[torch.Tensor]
+    tree: Any
+
+
+def _path(parent: str, key: object) -> str:
+    return f"{parent}/{key}" if parent else str(key)
+
+
+def flatten(state: Any) -> Flat:
+    """Walk ``state``; refuse what cannot be saved, naming its key path."""
+    if not isinstance(state, Mapping) and not is_stateful(state):
+        raise UnsupportedValueError("", f"the state must be a mapping, not {type(state).__name__}")
+    names: list[str] = []
+    tensors: list[torch.Tensor] = []
+    seen: set[str] = set()
+    active: set[int] = set()
+
+    def walk(value: Any, path: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            return {"T": add_tensor(value, path)}
+        if value is None or isinstance(value, (bool, int, str)):
+            if isinstance(value, str) and "\x00" in value:
+                raise UnsupportedValueError(path, "strings with NUL characters are not stored")
+            return {"V": value}
+        if isinstance(value, float):
+            if math.isfinite(value):
+                return {"V": value}
+            return {"F": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+        if id(value) in active:
+            raise UnsupportedValueError(path, "the state contains a reference cycle")
+        active.add(id(value))
+        try:
+            if isinstance(value, Mapping):
+                return {
+                    "D": [[check_key(k, path), walk(v, _path(path, k))] for k, v in value.items()]
+                }
+            if isinstance(value, list):
+                return {"L": [walk(v, _path(path, i)) for i, v in enumerate(value)]}
+            if isinstance(value, tuple):
+                return {"U": [walk(v, _path(path, i)) for i, v in enumerate(value)]}
+            if is_stateful(value):
+                sd = value.state_dict()
+                if not isinstance(sd, Mapping):
+                    raise UnsupportedValueError(path, "state_dict() did not return a mapping")
+                return {"S": walk(sd, path)}
+        finally:
+            active.discard(id(value))
+        raise UnsupportedValueError(
+            path,
+            f"values of type {type(value).__module__}.{type(value).__qualname__} cannot be saved "
+            "(tensors, JSON values, and objects with state_dict()/load_state_dict() can)",
+        )
+
+    def check_key(key: Any, path: str) -> Any:
+        if isinstance(key, bool) or not isinstance(key, (str, int)):
+            raise UnsupportedValueError(
+                _path(path, repr(key)), f"dict keys must be str or int, not {type(key).__name__}"
+            )
+        if isinstance(key, str) and "\x00" in key:
+            raise UnsupportedValueError(
+                _path(path, repr(key)), "keys with NUL characters are refused"
+            )
+        return key
+
+    def add_tensor(t: torch.Tensor, path: str) -> str:
+        if t.layout is not torch.strided or t.is_quantized:
+            raise UnsupportedValueError(path, f"only dense tensors are saved, not {t.layout}")
+        if t.dtype not in TORCH_TO_ST:
+            raise UnsupportedValueError(path, f"dtype {t.dtype} has no safetensors equivalent")
+        if t.device.type not in ("cpu", "cuda"):
+            raise UnsupportedValueError(path, f"tensors on {t.device.type} are not supported")
+        if path in seen:
+            raise UnsupportedValueError(
+                path, "two keys flatten to this tensor name (e.g. int 0 and str '0')"
+            )
+        seen.add(path)
+        names.append(path)
+        tensors.append(t.detach())
+        return path
+
+    tree = walk(state, "")
+    return Flat(names, tensors, tree)
+
+
+# --------------------------------------------------------------------------- load
+
+
+def unflatten(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """Rebuild the saved nesting; objects saved through state_dict() come back as their dicts."""
+    tag, body = next(iter(tree.items()))
+    if tag == "T":
+        return tensors[body]
+    if tag == "D":
+        return {k: unflatten(v, tensors) for k, v in body}
+    if tag == "L":
+        return [unflatten(v, tensors) for v in body]
+    if tag == "U":
+        return tuple(unflatten(v, tensors) for v in body)
+    if tag == "S":
+        return unflatten(body, tensors)
+    if tag == "F":
+        return float(body)
+    return body
+
+
+def load_into(target: Any, tree: Any, tensors: Mapping[str, torch.Tensor], path: str = "") -> Any:
+    """Restore ``tree`` into ``target`` in place where it can; return the restored value."""
+    tag, body = next(iter(tree.items()))
+    if isinstance(target, torch.Tensor):
+        if tag != "T":
+            raise LoadMismatchError(f"{path or '<root>'}: the checkpoint holds no tensor here")
+        src = tensors[body]
+        if src.shape != target.shape or src.dtype != target.dtype:
+            raise LoadMismatchError(
+                f"{path or '<root>'}: saved {src.dtype}{list(src.shape)} does not fit "
+                f"{target.dtype}{list(target.shape)}"
+            )
+        with torch.no_grad():
+            target.copy_(src)
+        return target
+    if is_stateful(target):
+        inner = body if tag == "S" else tree
+        target.load_state_dict(unflatten(inner, tensors))
+        return target
+    if tag == "S":
+        tag, body = next(iter(body.items()))
+    if isinstance(target, dict) and tag == "D":
+        for k, node in body:
+            if k in target:
+                target[k] = load_into(target[k], node, tensors, _path(path, k))
+            else:
+                target[k] = unflatten(node, tensors)
+        return target
+    if isinstance(target, list) and tag in ("L", "U") and len(target) == len(body):
+        for i, node in enumerate(body):
+            target[i] = load_into(target[i], node, tensors, _path(path, i))
+        return target
+    return unflatten({tag: body}, tensors)

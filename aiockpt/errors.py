@@ -1,0 +1,132 @@
+"""The exception tree of aiockpt.
+
+Every error derives from :class:`CheckpointError` and from the built-in it resembles, so
+``except ValueError`` keeps working for code that does not know aiockpt::
+
+    CheckpointError
+    ├── UnsupportedValueError (TypeError)     a state leaf that cannot be saved; names its key path
+    ├── InvalidStepError (ValueError)         a negative or non-int step
+    │   └── StepExistsError                   a step that is already committed or in flight
+    ├── CheckpointNotFoundError (LookupError) no committed checkpoint for that step / in that root
+    ├── CorruptCheckpointError (ValueError)   a failed checksum or a malformed manifest or header
+    ├── LoadMismatchError (ValueError)        load(into=...) met a tensor of another shape or dtype
+    ├── StorageError (OSError)                the storage failed; carries errno and the path
+    ├── DaemonError (RuntimeError)            the daemon could not do what was asked
+    │   ├── DaemonDiedError                   the daemon exited; carries its exit code
+    │   └── DaemonStartError                  the daemon did not report READY in time
+    ├── DistributedSaveError (RuntimeError)   another rank's part of a save failed; names the rank
+    └── ManagerClosedError (RuntimeError)     the manager was used before open or after close
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "DaemonDiedError",
+    "DaemonError",
+    "DaemonStartError",
+    "DistributedSaveError",
+    "InvalidStepError",
+    "LoadMismatchError",
+    "ManagerClosedError",
+    "StepExistsError",
+    "StorageError",
+    "UnsupportedValueError",
+]
+
+
+class CheckpointError(Exception):
+    """Root of every aiockpt error."""
+
+    #: Traceback text of the same error in the daemon, when it was raised there.
+    remote_traceback: str | None = None
+
+    def __reduce__(self):  # keep extra attributes across the pipe
+        return (_rebuild, (type(self), self.args, self.__dict__))
+
+
+def _rebuild(cls, args, state):
+    err = cls.__new__(cls)
+    Exception.__init__(err, *args)
+    err.__dict__.update(state)
+    return err
+
+
+class UnsupportedValueError(CheckpointError, TypeError):
+    """A value in the state that aiockpt cannot save; the message names its key path."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path or '<root>'}: {message}")
+        self.path = path
+
+
+class InvalidStepError(CheckpointError, ValueError):
+    """A step that is not a non-negative int."""
+
+
+class StepExistsError(InvalidStepError):
+    """A step already committed in this root, or already being saved."""
+
+
+class CheckpointNotFoundError(CheckpointError, LookupError):
+    """No committed checkpoint matches."""
+
+
+class CorruptCheckpointError(CheckpointError, ValueError):
+    """A checkpoint failed validation: bad checksum, malformed manifest or shard header."""
+
+    def __init__(self, message: str, *, path: str | None = None, key: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.key = key
+
+
+class LoadMismatchError(CheckpointError, ValueError):
+    """``load(into=...)`` found a saved value that does not fit the destination."""
+
+
+class StorageError(CheckpointError, OSError):
+    """The storage backend failed. ``errno`` and ``path`` are those of the failure."""
+
+    def __init__(self, message: str, *, path: str | None = None, errno: int | None = None) -> None:
+        CheckpointError.__init__(self, message)
+        self.path = path
+        self.os_errno = errno
+
+    # OSError keeps errno in a slot that Exception.__init__ leaves unset; expose ours instead.
+    @property
+    def errno(self) -> int | None:  # type: ignore[override]
+        return self.os_errno
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class DaemonError(CheckpointError, RuntimeError):
+    """The daemon could not do what was asked."""
+
+
+class DaemonDiedError(DaemonError):
+    """The daemon process exited while work was pending."""
+
+    def __init__(self, message: str, *, exit_code: int | None = None) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class DaemonStartError(DaemonError):
+    """The daemon did not start or did not report READY in time."""
+
+
+class DistributedSaveError(CheckpointError, RuntimeError):
+    """A multi-rank save failed on some rank; ``ranks`` names which."""
+
+    def __init__(self, message: str, *, ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks or [])
+
+
+class ManagerClosedError(CheckpointError, RuntimeError):
+    """The manager is not open: used before ``async with`` or after it closed."""

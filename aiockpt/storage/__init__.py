@@ -1,0 +1,17 @@
+"""Storage backends: the protocol, the built-in fsspec and local implementations, the registry."""
+
+from __future__ import annotations
+
+from ._base import Storage
+from ._fsspec import FsspecStorage
+from ._local import LocalStorage
+from ._registry import open_storage, register_storage, registered_protocols
+
+__all__ = [
+    "FsspecStorage",
+    "LocalStorage",
+    "Storage",
+    "open_storage",
+    "register_storage",
+    "registered_protocols",
+]

@@ -1,0 +1,48 @@
+"""The Storage protocol: what the daemon needs from a backend, and nothing more."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """A checkpoint root. Paths are relative to it and use "/"; the daemon is the only user.
+
+    Every method raises :class:`aiockpt.errors.StorageError` (carrying the errno of an OS error)
+    on failure, and :class:`FileNotFoundError`-derived errors never escape raw.
+    """
+
+    #: The root's URL, as given to the factory.
+    url: str
+
+    def write_file(self, path: str, buffers: Sequence[memoryview]) -> None:
+        """Write the concatenation of ``buffers`` as the whole file, durably, without copying
+        the bytes into one buffer first. A failed write leaves no file behind."""
+
+    def put_atomic(self, path: str, data: bytes) -> None:
+        """Publish a small file atomically and durably: readers see all of it or nothing."""
+
+    def read_range(self, path: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of a file."""
+
+    def readinto(self, path: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` from the file at ``offset``; a short file is an error."""
+
+    def size(self, path: str) -> int:
+        """A file's size in bytes."""
+
+    def exists(self, path: str) -> bool: ...
+
+    def list_dir(self, path: str) -> list[str]:
+        """Names directly under a directory ("" is the root), never from a stale cache;
+        an empty list when it does not exist."""
+
+    def makedirs(self, path: str) -> None:
+        """Make a directory and its parents where the backend has directories."""
+
+    def delete(self, path: str, *, recursive: bool = False) -> None:
+        """Remove a file, or a directory and everything under it; missing is not an error."""
+
+    def close(self) -> None: ...

@@ -1,0 +1,118 @@
+"""Any fsspec filesystem as a checkpoint root."""
+
+from __future__ import annotations
+
+import contextlib
+import errno as errno_mod
+from collections.abc import Sequence
+from typing import Any
+
+import fsspec
+
+from ..errors import StorageError
+
+
+class FsspecStorage:
+    """A root on any fsspec filesystem. Durability is what the filesystem's close() gives."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.url = url
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        except (ImportError, ValueError) as e:
+            raise StorageError(f"cannot open {url}: {e}", path=url) from e
+        self.root = self.root.rstrip("/")
+
+    def _full(self, path: str) -> str:
+        return f"{self.root}/{path}" if path else self.root
+
+    def _error(self, op: str, path: str, e: Exception) -> StorageError:
+        full = self._full(path)
+        code = getattr(e, "errno", None)
+        if isinstance(e, FileNotFoundError) and code is None:
+            code = errno_mod.ENOENT
+        err = StorageError(
+            f"{op} {self.fs.unstrip_protocol(full)} failed: {e}", path=full, errno=code
+        )
+        err.__cause__ = e
+        return err
+
+    def write_file(self, path: str, buffers: Sequence[memoryview]) -> None:
+        full = self._full(path)
+        try:
+            with self.fs.open(full, "wb") as f:
+                for buf in buffers:
+                    f.write(buf)
+        except Exception as e:
+            with contextlib.suppress(Exception):
+                self.fs.rm(full)
+            raise self._error("write", path, e) from None
+
+    def put_atomic(self, path: str, data: bytes) -> None:
+        try:
+            self.fs.pipe_file(self._full(path), data)
+        except Exception as e:
+            raise self._error("write", path, e) from None
+
+    def read_range(self, path: str, start: int, end: int) -> bytes:
+        try:
+            data = self.fs.cat_file(self._full(path), start=start, end=end)
+        except Exception as e:
+            raise self._error("read", path, e) from None
+        if len(data) != end - start:
+            raise StorageError(
+                f"read {self._full(path)} failed: the file ends before byte {end}",
+                path=self._full(path),
+                errno=errno_mod.EIO,
+            )
+        return data
+
+    def readinto(self, path: str, offset: int, out: memoryview) -> None:
+        out = memoryview(out).cast("B")
+        step = 64 * 1024 * 1024
+        for start in range(0, len(out), step):
+            stop = min(start + step, len(out))
+            out[start:stop] = self.read_range(path, offset + start, offset + stop)
+
+    def size(self, path: str) -> int:
+        try:
+            return int(self.fs.size(self._full(path)))
+        except Exception as e:
+            raise self._error("stat", path, e) from None
+
+    def exists(self, path: str) -> bool:
+        try:
+            return bool(self.fs.exists(self._full(path)))
+        except Exception as e:
+            raise self._error("stat", path, e) from None
+
+    def list_dir(self, path: str) -> list[str]:
+        full = self._full(path)
+        try:
+            self.fs.invalidate_cache(full)
+            entries = self.fs.ls(full, detail=False)
+        except FileNotFoundError:
+            return []
+        except Exception as e:
+            raise self._error("list", path, e) from None
+        names = {e.rstrip("/").rsplit("/", 1)[-1] for e in entries}
+        names.discard("")
+        return sorted(names)
+
+    def makedirs(self, path: str) -> None:
+        try:
+            self.fs.makedirs(self._full(path), exist_ok=True)
+        except Exception as e:
+            raise self._error("mkdir", path, e) from None
+
+    def delete(self, path: str, *, recursive: bool = False) -> None:
+        full = self._full(path)
+        try:
+            self.fs.rm(full, recursive=recursive)
+        except FileNotFoundError:
+            pass
+        except Exception as e:
+            raise self._error("delete", path, e) from None
+
+    def close(self) -> None:
+        pass
