@@ -36,11 +36,13 @@ from ._channel import (
     SlabFree,
     Stop,
 )
+from ._coord import Coordinator, Part, merge
 from ._shm import Segment, unlink
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    DistributedSaveError,
     StepExistsError,
 )
 from .retention import CheckpointRecord, select_deletions
@@ -89,9 +91,12 @@ class Daemon:
         self.read_q: queue.Queue[Request | None] = queue.Queue()
         self.pool = ThreadPoolExecutor(2, thread_name_prefix="aiockpt-crc")
         self.shard = fmt.shard_filename(cfg.rank)
+        self.coord: Coordinator | None = None
         from .storage import open_storage
 
         self.storage = open_storage(cfg.url, cfg.storage_options)
+        if cfg.world_size > 1:
+            self.coord = Coordinator(self.storage, cfg.rank, cfg.world_size, cfg.dist["timeout"])
 
     # ----------------------------------------------------------------- plumbing
 
@@ -141,15 +146,21 @@ class Daemon:
                 self.index[step] = CheckpointRecord(step, m.created_at, dict(m.metrics))
 
     def collect_partials(self) -> list[int]:
-        """Remove step directories without a manifest (a crash mid-save), except in-flight ones."""
-        removed = []
+        """Remove step directories without a manifest (a crash mid-save) below the newest
+        committed step; see :func:`collectable_partials` for why newer ones stay."""
+        from .retention import collectable_partials
+
+        step_dirs = {}
         for name in self.storage.list_dir(""):
             step = fmt.parse_step_dirname(name)
-            if step is None or step in self.in_flight:
-                continue
-            if not self.storage.exists(f"{name}/{fmt.MANIFEST}"):
-                self.storage.delete(name, recursive=True)
-                removed.append(step)
+            if step is not None:
+                step_dirs[step] = self.storage.exists(f"{name}/{fmt.MANIFEST}")
+        with self.lock:
+            busy = set(self.in_flight)
+        removed = []
+        for step in collectable_partials(step_dirs, busy):
+            self.storage.delete(fmt.step_dirname(step), recursive=True)
+            removed.append(step)
         return removed
 
     # ----------------------------------------------------------------- saves
@@ -209,27 +220,34 @@ class Daemon:
                 nbytes=nbytes,
                 where="daemon",
             )
-            created_at = time.time()
+            shard = {
+                "file": self.shard,
+                "rank": self.cfg.rank,
+                "nbytes": nbytes,
+                "crc32c": shard_crc,
+            }
             tensors = fmt.tensors_json(layout.specs, layout.msg.data_start, tensor_crcs)
             tree = json.dumps(req.tree, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-            manifest = fmt.manifest_json(
-                step=req.step,
-                created_at=created_at,
-                world_size=1,
-                shards=[
-                    {
-                        "file": self.shard,
-                        "rank": self.cfg.rank,
-                        "nbytes": nbytes,
-                        "crc32c": shard_crc,
-                    }
-                ],
-                tensors_json=f'{{"{self.shard}":{tensors}}}',
-                trees_json=f'{{"{self.cfg.rank}":{tree}}}',
-                metrics=req.metrics,
-                metadata=req.metadata,
-            )
-            self.storage.put_atomic(f"{step_dir}/{fmt.MANIFEST}", manifest)
+            part = Part(self.cfg.rank, shard, tensors, tree)
+            if self.coord is None:
+                created_at = time.time()
+                manifest = merge(
+                    [part],
+                    step=req.step,
+                    created_at=created_at,
+                    metrics=req.metrics,
+                    metadata=req.metadata,
+                )
+                self.storage.put_atomic(f"{step_dir}/{fmt.MANIFEST}", manifest)
+            else:
+                created_dir = False  # other ranks write here too: never removed by one of them
+                created_at = self.coord.commit(
+                    step=req.step,
+                    uuid=req.uuid,
+                    part=part,
+                    metrics=req.metrics,
+                    metadata=req.metadata,
+                )
             created_dir = False  # committed: never cleaned up as a partial
             with self.lock:
                 self.index[req.step] = CheckpointRecord(req.step, created_at, dict(req.metrics))
@@ -253,6 +271,9 @@ class Daemon:
         except BaseException as e:
             if not slab_free:
                 self.send(SlabFree(req.slab))
+            if self.coord is not None and not isinstance(e, DistributedSaveError):
+                with contextlib.suppress(Exception):
+                    self.coord.publish_failure(req.step, req.uuid, f"{type(e).__name__}: {e}")
             if created_dir:
                 with contextlib.suppress(Exception):
                     self.storage.delete(step_dir, recursive=True)
@@ -265,13 +286,26 @@ class Daemon:
         return tensor_crcs, crc(data)
 
     def apply_retention(self, uuid: str, step: int) -> tuple[list[int], BaseException | None]:
-        """Delete what the policy lets go, manifest first. Runs only after a commit."""
+        """Delete what the policy lets go, manifest first. Runs only after the commit of
+        ``step``, which it never deletes (nor the newest step, nor one in flight)."""
         policy = self.cfg.retention
-        if policy is None:
+        if policy is None or self.cfg.rank != 0:  # decided once, by rank 0
             return [], None
+        try:
+            # Steps deleted behind our back (``aiockpt prune``) must not count for the policy.
+            # A stale listing can only hide steps, and a hidden step is never deleted.
+            present = {fmt.parse_step_dirname(name) for name in self.storage.list_dir("")}
+        except Exception as e:
+            err = CheckpointError(
+                f"step {step} was committed, but retention could not list {self.storage.url}: "
+                f"{e}; nothing was deleted"
+            )
+            return [], remote_error(err)
         with self.lock:
+            for gone in [s for s in self.index if s not in present and s != step]:
+                del self.index[gone]
             records = list(self.index.values())
-            protected = set(self.in_flight)
+            protected = {step, *self.in_flight}
         try:
             doomed = select_deletions(policy, records, protected)
         except Exception as e:
@@ -290,7 +324,7 @@ class Daemon:
                 deleted.append(old)
                 self.storage.delete(name, recursive=True)
                 self.event("retention.delete", uuid, old, where="daemon")
-        except CheckpointError as e:
+        except Exception as e:  # whatever it is, the commit stands and the caller must hear it
             err = CheckpointError(f"step {step} was committed, but retention failed to delete: {e}")
             return deleted, remote_error(err)
         return deleted, None
@@ -321,7 +355,33 @@ class Daemon:
     def op_collect_partials(self) -> list[int]:
         return self.collect_partials()
 
-    def op_load(self, step: int | None, rank: int) -> dict[str, Any]:
+    def op_publish_failure(self, step: int, uuid: str, message: str) -> None:
+        """A respawned daemon tells the other ranks that its predecessor's save failed."""
+        if self.coord is not None:
+            self.coord.publish_failure(step, uuid, message)
+
+    @staticmethod
+    def check_replicated(m: fmt.Manifest, world_size: int) -> None:
+        """On another world size only state that every rank saved identically can be loaded."""
+        first = m.tensors[m.shard_of(0).file]
+        differ = sorted(
+            name
+            for name, r in first.items()
+            if any(
+                (o := others.get(name)) is None
+                or (o.crc32c, o.dtype, o.shape) != (r.crc32c, r.dtype, r.shape)
+                for others in m.tensors.values()
+            )
+        )
+        if differ:
+            shown = ", ".join(differ[:8]) + (", …" if len(differ) > 8 else "")
+            raise CheckpointError(
+                f"step {m.step} was saved by {m.world_size} ranks and cannot be loaded by "
+                f"{world_size}: these tensors differ between ranks (only state every rank saved "
+                f"identically, such as DDP-replicated weights, can be): {shown}"
+            )
+
+    def op_load(self, step: int | None, rank: int, world_size: int = 1) -> dict[str, Any]:
         steps = self.committed_steps()
         if not steps:
             raise CheckpointNotFoundError(f"no committed checkpoint in {self.storage.url}")
@@ -333,10 +393,9 @@ class Daemon:
                 f"{_ranges(steps)})"
             )
         m = self.read_manifest(step)
-        if rank not in m.trees:
-            raise CheckpointNotFoundError(
-                f"step {step} was saved by {m.world_size} ranks; rank {rank} has no shard in it"
-            )
+        if m.world_size != world_size:
+            rank = 0  # every rank reads rank 0's part, if it is the same on every rank
+            self.check_replicated(m, world_size)
         shard = m.shard_of(rank)
         records = m.tensors[shard.file]
         path = f"{fmt.step_dirname(step)}/{shard.file}"

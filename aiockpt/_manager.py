@@ -10,8 +10,10 @@ import math
 import mmap
 import os
 import pickle
+import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid as uuid_mod
 from collections.abc import Generator, Iterable, Mapping
@@ -22,6 +24,7 @@ from typing import Any
 import anyio
 import torch
 
+from . import _dist
 from . import _format as fmt
 from ._channel import (
     Channel,
@@ -47,7 +50,7 @@ from .errors import (
     StepExistsError,
     UnsupportedValueError,
 )
-from .events import EventDispatcher, EventHandler, process_group_info
+from .events import EventDispatcher, EventHandler, entry_point_handlers, process_group_info
 from .retention import CheckpointRecord, RetentionPolicy, best_order
 
 __all__ = ["AsyncCheckpointManager", "CheckpointInfo", "SaveHandle"]
@@ -129,6 +132,8 @@ class AsyncCheckpointManager:
         process_group: Any = None,
         start_timeout: float = 60.0,
         close_timeout: float | None = None,
+        dist_timeout: float = 300.0,
+        on_sigterm: str | None = None,
     ) -> None:
         if root is None:
             root = os.environ.get("AIOCKPT_ROOT") or DEFAULT_ROOT
@@ -140,8 +145,16 @@ class AsyncCheckpointManager:
             raise ValueError(f"max_pending must be a positive int, not {max_pending!r}")
         self.max_pending = max_pending
         self.retention = _check_policy(retention)
+        if not dist_timeout > 0:
+            raise ValueError(f"dist_timeout must be positive, not {dist_timeout!r}")
+        self.dist_timeout = float(dist_timeout)
+        self._group: _dist.Group | None = None
         self.start_timeout = start_timeout
         self.close_timeout = close_timeout
+        if on_sigterm not in (None, "flush"):
+            raise ValueError(f"on_sigterm must be None or 'flush', not {on_sigterm!r}")
+        self.on_sigterm = on_sigterm
+        self._prev_sigterm: Any = None
         self.process_group = process_group
         self._handlers = list(event_handlers)
         self._state = "new"
@@ -171,15 +184,37 @@ class AsyncCheckpointManager:
     async def open(self) -> None:
         if self._state != "new":
             raise ManagerClosedError(f"the manager is {self._state}; a manager opens once")
+        main_thread = threading.current_thread() is threading.main_thread()
+        if self.on_sigterm is not None and not main_thread:
+            raise RuntimeError(
+                "on_sigterm='flush' needs the event loop in the main thread: Python sets signal "
+                "handlers only there"
+            )
+        self._group = _dist.resolve_group(self.process_group)
+        if self._group is not None:
+            self.rank, self.world_size = self._group.rank, self._group.world_size
         self.events = EventDispatcher(
-            self._handlers, process_group=process_group_info(self.process_group)
+            [*self._handlers, *entry_point_handlers()],
+            rank=self.rank,
+            world_size=self.world_size,
+            process_group=process_group_info(self.process_group),
         )
         stack = contextlib.AsyncExitStack()
         self._tg = await stack.enter_async_context(anyio.create_task_group())
         self._exit_stack = stack
         try:
-            await self._spawn(collect_partials=True)
+            await self._spawn(collect_partials=self._group is None)
+            if self._group is not None:
+                # One rank removes partial step directories, and only once every rank has
+                # started (so none is saving yet) and before any of them may save.
+                self._group.barrier()
+                if self.rank == 0:
+                    await self._request("collect_partials")
+                self._group.barrier()
             self._committed = set(await self._request("steps"))
+            if self.on_sigterm is not None:
+                self._prev_sigterm = signal.getsignal(signal.SIGTERM)
+                await self._tg.start(self._watch_sigterm)
         except BaseException:
             self._state = "closed"
             with anyio.CancelScope(shield=True):
@@ -190,7 +225,7 @@ class AsyncCheckpointManager:
 
     async def aclose(self) -> None:
         """Wait for pending saves, stop the daemon, and free every shared-memory segment."""
-        if self._state != "open":
+        if self._state not in ("open", "preempted"):
             self._state = "closed"
             return
         self._state = "closing"
@@ -206,6 +241,7 @@ class AsyncCheckpointManager:
             with anyio.CancelScope(shield=True):
                 await self._stop_daemon()
             await self._shutdown()
+            self.events.close()  # an operation the daemon never answered still ends
 
     async def _drain(self) -> None:
         for handle in list(self._pending.values()):
@@ -232,6 +268,32 @@ class AsyncCheckpointManager:
             await self._exit_stack.aclose()
             self._exit_stack = None
         self._pool.close()
+        self._restore_sigterm()
+
+    async def _watch_sigterm(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        """on_sigterm="flush": on SIGTERM, commit every staged save and stop the daemon, then
+        hand the signal to the handler the process had before (by default: terminate)."""
+        with anyio.open_signal_receiver(signal.SIGTERM) as signals:
+            task_status.started()
+            async for _ in signals:
+                break
+            self._state = "preempted"  # refuse new saves; those already staging finish
+            with anyio.CancelScope(shield=True):
+                with anyio.move_on_after(self.close_timeout or math.inf):
+                    # Saves still copying are not pending yet: wait for them too.
+                    while self._pending or self._in_flight_steps:
+                        await self._drain()
+                        await anyio.sleep(0.01)
+                await self._stop_daemon()
+            self._pool.close()
+        # The receiver is closed (asyncio leaves SIG_DFL behind): put the old handler back.
+        self._restore_sigterm()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def _restore_sigterm(self) -> None:
+        if self._prev_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._prev_sigterm)
+            self._prev_sigterm = None
 
     def _check_open(self) -> None:
         if self._state != "open":
@@ -268,6 +330,7 @@ class AsyncCheckpointManager:
                     world_size=self.world_size,
                     trainer_pid=os.getpid(),
                     collect_partials=collect_partials,
+                    dist={"timeout": self.dist_timeout} if self.world_size > 1 else None,
                 )
             )
             with anyio.fail_after(self.start_timeout):
@@ -333,13 +396,25 @@ class AsyncCheckpointManager:
         err = DaemonDiedError(
             f"the checkpoint daemon (pid {d.proc.pid}) died with exit code {code}", exit_code=code
         )
-        for handle in list(self._pending.values()):
-            self._fail(handle, err)
         for ev, box in self._requests.values():
             box.append(Reply(-1, error=err))
             ev.set()
         self._requests.clear()
         self._pool.release_all()
+        pending = list(self._pending.values())
+        if self._group is not None and pending and self._state == "open":
+            # Before anyone hears of the failure: this rank's next save() blocks in a
+            # collective, so the other ranks must already know not to wait for it.
+            await self._publish_failures([(h.step, h.uuid) for h in pending], str(err))
+        for handle in pending:
+            self._fail(handle, err)
+
+    async def _publish_failures(self, lost: list[tuple[int, str]], why: str) -> None:
+        """A new daemon tells the other ranks that the dead one's saves failed, so they stop
+        waiting for this rank now rather than at their deadline."""
+        with contextlib.suppress(CheckpointError):
+            for step, uuid in lost:
+                await self._request("publish_failure", step=step, uuid=uuid, message=why)
 
     def _save_done(self, msg: SaveDone) -> None:
         handle = self._pending.pop(msg.uuid, None)
@@ -401,12 +476,25 @@ class AsyncCheckpointManager:
         self._check_open()
         handle = SaveHandle(step if isinstance(step, int) else -1, uuid_mod.uuid4().hex)
         t0 = time.monotonic()
-        self.events.emit("save.start", uuid=handle.uuid, step=handle.step)
-        try:
+        refused: BaseException | None = None
+        try:  # all input is checked before anything is staged
             self._check_step(step)
             clean_metrics = _clean_metrics(metrics)
             clean_metadata = _clean_metadata(metadata)
             flat = flatten(state)
+        except CheckpointError as e:
+            refused = e
+        if self._group is not None:
+            # Every rank learns of a refusal or a mismatched step on any rank, and all share
+            # rank 0's uuid, which names the save's coordination files.
+            try:
+                handle.uuid = _dist.agree(self._group, step, handle.uuid, refused)
+            except CheckpointError as e:
+                refused = e
+        self.events.emit("save.start", uuid=handle.uuid, step=handle.step)
+        try:
+            if refused is not None:
+                raise refused
             layout = self._layouts.get(flat)
             d = await self._live_daemon()
             self._in_flight_steps.add(step)
@@ -494,8 +582,11 @@ class AsyncCheckpointManager:
         return steps[-1] if steps else None
 
     async def best_step(self, metric: str, mode: str = "min") -> int | None:
-        """The committed step with the best ``metric`` (None when no checkpoint has it)."""
+        """The committed step with the best ``metric`` (None when no checkpoint has it);
+        ties go to the newer step, and non-finite values never count as best."""
         self._check_open()
+        if not isinstance(metric, str) or not metric:
+            raise ValueError(f"metric must be a non-empty str, not {metric!r}")
         if mode not in ("min", "max"):
             raise ValueError(f"mode must be 'min' or 'max', not {mode!r}")
         records = [CheckpointRecord(s, t, m) for s, t, m in await self._request("records")]
@@ -512,7 +603,9 @@ class AsyncCheckpointManager:
         t0 = time.monotonic()
         self.events.emit("load.start", uuid=op, step=step)
         try:
-            reply = await self._request("load", step=step, rank=self.rank)
+            reply = await self._request(
+                "load", step=step, rank=self.rank, world_size=self.world_size
+            )
             tensors = _map_loaded(reply)
             if into is None:
                 result = unflatten(reply["tree"], tensors)

@@ -1,0 +1,207 @@
+"""Multi-rank commit: the daemons agree through the checkpoint's own storage.
+
+Every rank's daemon writes its shard, then a small *part* file next to it describing the shard
+(its record, tensor entries and tree, as manifest-ready JSON text). Rank 0's daemon waits until
+every part is there, splices them into one manifest and writes it: the commit. The other
+daemons wait for that manifest. A daemon whose save fails writes a *failed* notice; rank 0
+answers any notice, or a deadline, with an *abort* marker, and no manifest is written.
+
+Why storage and not a gloo group of the daemons' own: nothing to rendezvous (no ports to probe,
+no MASTER_PORT inherited from the trainer to collide with), nothing that outlives the trainers'
+process group, and a dead peer costs a bounded wait instead of a hung collective. The files are
+named by the save's uuid, agreed by all ranks in ``save()``, so a retried step never sees a
+stale marker. They live in the step directory, start with a dot, and rank 0 removes the parts
+after the commit.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from . import _format as fmt
+from .errors import DistributedSaveError
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One rank's contribution to a manifest, as pre-encoded JSON text."""
+
+    rank: int
+    shard: dict[str, Any]
+    tensors_json: str
+    tree_json: str
+
+    def encode(self) -> bytes:
+        head = json.dumps(
+            {"rank": self.rank, "shard": self.shard, "tensors": len(self.tensors_json)}
+        )
+        return "\n".join((head, self.tensors_json, self.tree_json)).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> Part:
+        head_text, rest = data.decode().split("\n", 1)
+        head = json.loads(head_text)
+        n = head["tensors"]
+        return cls(head["rank"], head["shard"], rest[:n], rest[n + 1 :])
+
+
+def part_name(uuid: str, rank: int) -> str:
+    return f".{uuid}.r{rank:05d}.part"
+
+
+def failed_name(uuid: str, rank: int) -> str:
+    return f".{uuid}.r{rank:05d}.failed"
+
+
+def abort_name(uuid: str) -> str:
+    return f".{uuid}.abort"
+
+
+def merge(
+    parts: list[Part],
+    *,
+    step: int,
+    created_at: float,
+    metrics: dict[str, Any],
+    metadata: dict[str, Any],
+) -> bytes:
+    """The manifest of all ranks' parts: string splicing, linear in the number of ranks."""
+    parts = sorted(parts, key=lambda p: p.rank)
+    tensors = ",".join(f"{json.dumps(p.shard['file'])}:{p.tensors_json}" for p in parts)
+    trees = ",".join(f'"{p.rank}":{p.tree_json}' for p in parts)
+    return fmt.manifest_json(
+        step=step,
+        created_at=created_at,
+        world_size=len(parts),
+        shards=[p.shard for p in parts],
+        tensors_json="{" + tensors + "}",
+        trees_json="{" + trees + "}",
+        metrics=metrics,
+        metadata=metadata,
+    )
+
+
+class Coordinator:
+    """The daemon's side of a multi-rank commit."""
+
+    def __init__(self, storage: Any, rank: int, world_size: int, timeout: float) -> None:
+        self.storage = storage
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+
+    @staticmethod
+    def _poll(check: Any, deadline: float) -> Any:
+        """Call ``check`` with backoff until it answers; TimeoutError at the deadline."""
+        delay = 0.002
+        while True:
+            result = check()
+            if result is not None:
+                return result
+            if time.monotonic() > deadline:
+                raise TimeoutError
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
+    def commit(
+        self,
+        *,
+        step: int,
+        uuid: str,
+        part: Part,
+        metrics: dict[str, Any],
+        metadata: dict[str, Any],
+    ) -> float:
+        """Publish this rank's part and return the commit time once the manifest is written."""
+        step_dir = fmt.step_dirname(step)
+        deadline = time.monotonic() + self.timeout
+        if self.rank != 0:
+            self.storage.put_atomic(f"{step_dir}/{part_name(uuid, self.rank)}", part.encode())
+            return self._await_commit(step, uuid, deadline)
+        parts = self._gather(step, uuid, deadline)
+        created_at = time.time()
+        manifest = merge(
+            [part, *parts], step=step, created_at=created_at, metrics=metrics, metadata=metadata
+        )
+        self.storage.put_atomic(f"{step_dir}/{fmt.MANIFEST}", manifest)
+        for r in range(1, self.world_size):
+            self.storage.delete(f"{step_dir}/{part_name(uuid, r)}")
+        return created_at
+
+    def _gather(self, step: int, uuid: str, deadline: float) -> list[Part]:
+        step_dir = fmt.step_dirname(step)
+        wanted = {part_name(uuid, r): r for r in range(1, self.world_size)}
+        failed = {failed_name(uuid, r): r for r in range(self.world_size)}
+
+        def check():
+            names = set(self.storage.list_dir(step_dir))
+            bad = sorted(r for n, r in failed.items() if n in names)
+            if bad:
+                return ("failed", bad)
+            if names.issuperset(wanted):
+                return ("ok", None)
+            return None
+
+        try:
+            state, bad = self._poll(check, deadline)
+        except TimeoutError:
+            names = set(self.storage.list_dir(step_dir))
+            missing = sorted(r for n, r in wanted.items() if n not in names)
+            msg = (
+                f"step {step}: rank(s) {missing} did not finish their shard within {self.timeout} s"
+            )
+            self.abort(step, uuid, missing, msg)
+            raise DistributedSaveError(msg, ranks=missing) from None
+        if state == "failed":
+            reasons = {r: self._read_text(f"{step_dir}/{failed_name(uuid, r)}") for r in bad}
+            msg = f"step {step}: the save failed on rank(s) {bad}: " + "; ".join(
+                f"rank {r}: {why}" for r, why in reasons.items()
+            )
+            self.abort(step, uuid, bad, msg)
+            raise DistributedSaveError(msg, ranks=bad)
+        return [Part.decode(self._read(f"{step_dir}/{n}")) for n in wanted]
+
+    def _await_commit(self, step: int, uuid: str, deadline: float) -> float:
+        step_dir = fmt.step_dirname(step)
+        manifest = f"{step_dir}/{fmt.MANIFEST}"
+        abort = f"{step_dir}/{abort_name(uuid)}"
+
+        def check():
+            if self.storage.exists(manifest):
+                return ("ok", None)
+            if self.storage.exists(abort):
+                return ("abort", json.loads(self._read_text(abort)))
+            return None
+
+        try:
+            state, body = self._poll(check, deadline)
+        except TimeoutError:
+            msg = f"step {step}: rank 0 did not commit within {self.timeout} s"
+            raise DistributedSaveError(msg, ranks=[0]) from None
+        if state == "abort":
+            raise DistributedSaveError(body["message"], ranks=body["ranks"])
+        return time.time()
+
+    def abort(self, step: int, uuid: str, ranks: list[int], message: str) -> None:
+        body = json.dumps({"ranks": ranks, "message": message}).encode()
+        self.storage.put_atomic(f"{fmt.step_dirname(step)}/{abort_name(uuid)}", body)
+
+    def publish_failure(self, step: int, uuid: str, message: str) -> None:
+        """Tell the other ranks this rank's part of the save failed."""
+        step_dir = fmt.step_dirname(step)
+        self.storage.makedirs(step_dir)
+        if self.rank == 0:
+            why = f"step {step}: the save failed on rank(s) [0]: rank 0: {message}"
+            self.abort(step, uuid, [0], why)
+        else:
+            self.storage.put_atomic(f"{step_dir}/{failed_name(uuid, self.rank)}", message.encode())
+
+    def _read(self, path: str) -> bytes:
+        return self.storage.read_range(path, 0, self.storage.size(path))
+
+    def _read_text(self, path: str) -> str:
+        size = min(self.storage.size(path), 1 << 20)
+        return self.storage.read_range(path, 0, size).decode(errors="replace")

@@ -1,0 +1,111 @@
+"""One rank of a multi-rank test: ``python _dist_worker.py SCENARIO RANK WORLD STORE ROOT OUT``.
+
+Runs a scenario against a real gloo process group and writes what it saw to OUT as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import anyio
+import torch
+import torch.distributed as dist
+
+from aiockpt import AsyncCheckpointManager, LatestN
+
+
+def state_for(rank: int, size: int = 16) -> dict:
+    return {
+        "own": torch.full((size,), float(rank)),
+        "rank": rank,
+        "shared": {"w": torch.arange(10, dtype=torch.float32), "note": "same everywhere"},
+    }
+
+
+def err(e: BaseException) -> dict:
+    return {"type": type(e).__name__, "message": str(e), "ranks": getattr(e, "ranks", None)}
+
+
+async def save_load(rank: int, world: int, root: str) -> dict:
+    async with AsyncCheckpointManager(root, dist_timeout=60, retention=LatestN(1)) as mgr:
+        for step in (1, 2):
+            info = await (
+                await mgr.save(step, state_for(rank + step), metrics={"loss": 1.0 / step})
+            )
+        loaded = await mgr.load()
+        return {
+            "steps": await mgr.steps(),
+            "url": info.url,
+            "own": loaded["own"].tolist(),
+            "rank": loaded["rank"],
+        }
+
+
+async def kill_daemon(rank: int, world: int, root: str) -> dict:
+    out: dict = {}
+    async with AsyncCheckpointManager(root, dist_timeout=60) as mgr:
+        await (await mgr.save(1, state_for(rank)))
+        big = {"own": torch.randn(32 << 20)}  # 128 MiB: still being written when killed
+        t0 = time.monotonic()
+        handle = await mgr.save(2, big)
+        if rank == 1:
+            os.kill(mgr._daemon.proc.pid, signal.SIGKILL)
+        try:
+            await handle
+            out["second"] = "committed"
+        except Exception as e:
+            out["second"] = err(e)
+        out["seconds"] = time.monotonic() - t0
+        await (await mgr.save(3, state_for(rank)))
+        out["steps"] = await mgr.steps()
+        out["own"] = (await mgr.load(1))["own"].tolist()
+    return out
+
+
+async def mismatch(rank: int, world: int, root: str) -> dict:
+    async with AsyncCheckpointManager(root, dist_timeout=60) as mgr:
+        try:
+            await mgr.save(10 + rank, state_for(rank))
+            result = {"error": None}
+        except Exception as e:
+            result = {"error": err(e)}
+        # refused on the last rank only
+        bad = {"own": object()} if rank == world - 1 else state_for(rank)
+        try:
+            await mgr.save(20, bad)
+            result["refused"] = None
+        except Exception as e:
+            result["refused"] = err(e)
+        await (await mgr.save(30, state_for(rank)))
+        result["steps"] = await mgr.steps()
+    return result
+
+
+async def replicated(rank: int, world: int, root: str) -> dict:
+    async with AsyncCheckpointManager(root, dist_timeout=60) as mgr:
+        await (await mgr.save(5, {"shared": state_for(0)["shared"], "step": 5}))
+        await (await mgr.save(6, state_for(rank)))
+    return {}
+
+
+SCENARIOS = {f.__name__: f for f in (save_load, kill_daemon, mismatch, replicated)}
+
+
+def main() -> None:
+    scenario, rank, world, store, root, out = sys.argv[1:]
+    rank, world = int(rank), int(world)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        result = anyio.run(SCENARIOS[scenario], rank, world, root)
+    finally:
+        dist.destroy_process_group()
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Multi-rank saves with real gloo process groups, one process per rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from aiockpt import AsyncCheckpointManager
+from aiockpt.errors import CheckpointError
+
+WORKER = os.path.join(os.path.dirname(__file__), "_dist_worker.py")
+
+
+def run_ranks(scenario: str, world: int, tmp_path, root: str, timeout: float = 150) -> list[dict]:
+    store = tmp_path / f"store-{scenario}"
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    procs, outs = [], []
+    for rank in range(world):
+        out = tmp_path / f"{scenario}-{rank}.json"
+        outs.append(out)
+        cmd = [sys.executable, WORKER, scenario, str(rank), str(world), str(store), root, str(out)]
+        procs.append(subprocess.Popen(cmd, env=env))
+    try:
+        codes = [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert codes == [0] * world, f"rank exit codes {codes}"
+    return [json.loads(o.read_text()) for o in outs]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_rank_saves_and_loads_its_own_state(tmp_path, world):
+    root = str(tmp_path / "run")
+    results = run_ranks("save_load", world, tmp_path, root)
+    for rank, r in enumerate(results):
+        assert r["steps"] == [2]  # retention decided once, by rank 0
+        assert r["own"] == [float(rank + 2)] * 16
+        assert r["rank"] == rank + 2
+    with open(os.path.join(root, "step_000000000002", "manifest.json")) as f:
+        manifest = json.load(f)
+    assert manifest["world_size"] == world
+    assert [s["file"] for s in manifest["shards"]] == [
+        f"shard_r{r:05d}.safetensors" for r in range(world)
+    ]
+    assert sorted(os.listdir(os.path.join(root, "step_000000000002"))) == sorted(
+        ["manifest.json"] + [f"shard_r{r:05d}.safetensors" for r in range(world)]
+    )  # coordination files are gone after the commit
+
+
+def test_killed_daemon_on_one_rank_fails_every_rank_quickly(tmp_path):
+    root = str(tmp_path / "run")
+    r0, r1 = run_ranks("kill_daemon", 2, tmp_path, root)
+    assert r1["second"]["type"] == "DaemonDiedError"
+    assert r0["second"]["type"] == "DistributedSaveError"
+    assert r0["second"]["ranks"] == [1]
+    assert "rank 1" in r0["second"]["message"]
+    assert r0["seconds"] < 30  # told by rank 1's new daemon, long before the 60 s deadline
+    assert not os.path.exists(os.path.join(root, "step_000000000002", "manifest.json"))
+    assert r0["steps"] == r1["steps"] == [1, 3]
+    assert r0["own"] == [0.0] * 16
+    assert r1["own"] == [1.0] * 16
+
+
+def test_mismatched_steps_and_one_sided_refusals_fail_on_every_rank(tmp_path):
+    root = str(tmp_path / "run")
+    results = run_ranks("mismatch", 2, tmp_path, root)
+    for r in results:
+        assert r["error"]["type"] == "InvalidStepError"
+        assert "rank 0: 10, rank 1: 11" in r["error"]["message"]
+        assert r["steps"] == [30]
+    assert results[1]["refused"]["type"] == "UnsupportedValueError"
+    assert results[0]["refused"]["type"] == "DistributedSaveError"
+    assert results[0]["refused"]["ranks"] == [1]
+
+
+@pytest.mark.anyio
+async def test_replicated_state_loads_on_another_world_size(tmp_path):
+    root = str(tmp_path / "run")
+    run_ranks("replicated", 2, tmp_path, root)
+    async with AsyncCheckpointManager(root) as mgr:  # one process, no process group
+        out = await mgr.load(5)
+        assert torch.equal(out["shared"]["w"], torch.arange(10, dtype=torch.float32))
+        assert out["step"] == 5
+        with pytest.raises(CheckpointError, match="differ between ranks.*own"):
+            await mgr.load(6)
