@@ -216,14 +216,14 @@ async def test_steps_latest_and_partials_ignored(root):
         assert await mgr.latest_step() is None
         for step in (5, 1, 10):
             await (await mgr.save(step, {"t": torch.tensor(step)}))
-        os.makedirs(os.path.join(root, "step_000000000099"))  # a partial: no manifest
+        os.makedirs(os.path.join(root, "step_000000000003"))  # a partial: no manifest
         assert await mgr.steps() == [1, 5, 10]
         assert await mgr.latest_step() == 10
         assert torch.equal((await mgr.load())["t"], torch.tensor(10))
         with pytest.raises(CheckpointNotFoundError, match="step 7"):
             await mgr.load(7)
     async with AsyncCheckpointManager(root) as mgr:
-        assert not os.path.exists(os.path.join(root, "step_000000000099"))  # collected at start
+        assert not os.path.exists(os.path.join(root, "step_000000000003"))  # collected at start
         assert await mgr.steps() == [1, 5, 10]
 
 
