@@ -17,7 +17,7 @@ importable module (not in the ``__main__`` script)::
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -29,6 +29,8 @@ __all__ = [
     "EveryNSteps",
     "LatestN",
     "RetentionPolicy",
+    "best_order",
+    "collectable_partials",
     "select_deletions",
 ]
 
@@ -77,8 +79,9 @@ class LatestN(_Combinable):
         _positive_int("LatestN's n", self.n)
 
     def keep(self, checkpoints: Sequence[CheckpointRecord]) -> list[bool]:
-        cut = len(checkpoints) - self.n
-        return [i >= cut for i in range(len(checkpoints))]
+        # By step, not by position: correct even when called with checkpoints in any order.
+        newest = set(sorted((c.step for c in checkpoints), reverse=True)[: self.n])
+        return [c.step in newest for c in checkpoints]
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +147,8 @@ class BestN(_Combinable):
 
 def best_order(checkpoints: Sequence[CheckpointRecord], metric: str, mode: str) -> list[int]:
     """Indices of checkpoints that have a finite ``metric``, best first (ties: newer first)."""
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode must be 'min' or 'max', not {mode!r}")
     scored = []
     for i, c in enumerate(checkpoints):
         v = c.metrics.get(metric)
@@ -160,6 +165,8 @@ class AnyOf(_Combinable):
     policies: tuple[RetentionPolicy, ...]
 
     def __init__(self, *policies: RetentionPolicy) -> None:
+        if not policies:
+            raise ValueError("AnyOf needs at least one policy")
         for p in policies:
             if not isinstance(p, RetentionPolicy):
                 raise TypeError(f"{p!r} is not a retention policy (it has no keep() method)")
@@ -174,27 +181,59 @@ class AnyOf(_Combinable):
 
 def _checked(policy: RetentionPolicy, checkpoints: Sequence[CheckpointRecord]) -> list[bool]:
     flags = policy.keep(checkpoints)
-    if not isinstance(flags, (list, tuple)) or len(flags) != len(checkpoints):
+    # Strict on purpose: a truthy string or a numpy array would silently keep (or drop) the wrong
+    # checkpoints, and deletion cannot be undone.
+    if (
+        not isinstance(flags, (list, tuple))
+        or len(flags) != len(checkpoints)
+        or not all(isinstance(f, bool) for f in flags)
+    ):
         raise ValueError(
-            f"retention policy {policy!r} must return {len(checkpoints)} bools, "
+            f"retention policy {policy!r} must return a list of {len(checkpoints)} bools, "
             f"one per checkpoint; it returned {flags!r:.200}"
         )
-    return [bool(f) for f in flags]
+    return list(flags)
 
 
 def select_deletions(
     policy: RetentionPolicy | None,
     checkpoints: Sequence[CheckpointRecord],
-    protected: set[int] = frozenset(),  # type: ignore[assignment]
+    protected: Collection[int] = frozenset(),
 ) -> list[int]:
-    """Steps to delete: those the policy does not keep, never the newest, never ``protected``."""
+    """Steps to delete, ascending: those the policy does not keep, never ``protected`` ones, and
+    never the newest (neither the highest step nor the latest commit, which differ when a run
+    resumed from an earlier step)."""
     if policy is None or not checkpoints:
         return []
+    for c in checkpoints:
+        if not isinstance(c, CheckpointRecord):
+            raise TypeError(f"expected CheckpointRecord items, got {type(c).__name__}")
     ordered = sorted(checkpoints, key=lambda c: c.step)
+    if len({c.step for c in ordered}) != len(ordered):
+        raise ValueError("checkpoints must have distinct steps")
     flags = _checked(policy, ordered)
-    newest = ordered[-1].step
+    spared = {ordered[-1].step, max(ordered, key=lambda c: (c.time, c.step)).step, *protected}
     return [
-        c.step
-        for c, keep in zip(ordered, flags, strict=True)
-        if not keep and c.step != newest and c.step not in protected
+        c.step for c, keep in zip(ordered, flags, strict=True) if not keep and c.step not in spared
     ]
+
+
+def collectable_partials(
+    step_dirs: Mapping[int, bool], busy: Collection[int] = (), *, everything: bool = False
+) -> list[int]:
+    """Partial steps that may be removed, ascending. ``step_dirs`` maps each step directory's
+    step to whether it holds a manifest; ``busy`` steps are being saved.
+
+    A partial below the newest committed step is dead: a writer commits its steps in order, so
+    nothing still writes there. One at or above the newest commit may be a save in flight (of
+    this run, or of a daemon finishing the staged saves of a trainer that died), so it is kept
+    unless ``everything``; a later save of the same step overwrites it, and it becomes
+    collectable once a newer step commits.
+    """
+    committed = [s for s, has_manifest in step_dirs.items() if has_manifest]
+    newest = max(committed, default=-1)
+    return sorted(
+        s
+        for s, has_manifest in step_dirs.items()
+        if not has_manifest and s not in busy and (everything or s < newest)
+    )
