@@ -5,9 +5,10 @@ from __future__ import annotations
 from ._base import Storage
 from ._fsspec import FsspecStorage
 from ._local import LocalStorage
-from ._registry import open_storage, register_storage, registered_protocols
+from ._registry import ENTRY_POINT_GROUP, open_storage, register_storage, registered_protocols
 
 __all__ = [
+    "ENTRY_POINT_GROUP",
     "FsspecStorage",
     "LocalStorage",
     "Storage",

@@ -1,0 +1,236 @@
+"""The contract every Storage must meet, as a pytest test class to subclass.
+
+A plugin proves its storage by subclassing :class:`StorageContract` in its tests and
+providing one fixture, ``storage_factory``: a callable that opens a new Storage on the same,
+initially empty, root each time it is called (two instances stand for two processes)::
+
+    import pytest
+    from aiockpt.storage.testing import StorageContract
+
+    class TestMyStorage(StorageContract):
+        @pytest.fixture
+        def storage_factory(self, tmp_path):
+            return lambda: MyStorage(f"my://{tmp_path}")
+
+Class attributes tune the sizes (``large_size`` should cross the backend's multipart or
+chunking threshold). Storages the contract opens are closed after each test.
+"""
+
+from __future__ import annotations
+
+import errno
+import random
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from ..errors import StorageError
+from ._base import Storage
+
+__all__ = ["StorageContract"]
+
+
+def _data(n: int, seed: int = 0) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+class StorageContract:
+    """Behaviour the daemon relies on. Subclass it and provide ``storage_factory``."""
+
+    #: Bytes of the large file: make it cross the backend's multipart/chunk threshold.
+    large_size: int = 9 * 1024 * 1024 + 123
+
+    @pytest.fixture
+    def storage_factory(self) -> Callable[[], Storage]:
+        raise NotImplementedError("provide a storage_factory fixture opening the same root")
+
+    @pytest.fixture
+    def opened(self, storage_factory: Callable[[], Storage]) -> Iterator[Callable[[], Storage]]:
+        """``storage_factory``, closing whatever it opened at the end of the test."""
+        storages: list[Storage] = []
+
+        def open_one() -> Storage:
+            s = storage_factory()
+            storages.append(s)
+            s.makedirs("")  # as the daemon does before it writes; files go in the root too
+            return s
+
+        yield open_one
+        for s in storages:
+            s.close()
+
+    @pytest.fixture
+    def storage(self, opened: Callable[[], Storage]) -> Storage:
+        s = opened()
+        assert isinstance(s, Storage)
+        return s
+
+    # ----------------------------------------------------------------- writes
+
+    def test_round_trip(self, storage: Storage) -> None:
+        data = _data(10_000)
+        storage.makedirs("step_1")
+        storage.write_file("step_1/shard.bin", [memoryview(data)])
+        assert storage.size("step_1/shard.bin") == len(data)
+        assert storage.read_range("step_1/shard.bin", 0, len(data)) == data
+        assert storage.exists("step_1/shard.bin")
+
+    def test_write_streams_many_buffers(self, storage: Storage) -> None:
+        pieces = [_data(n, seed=n) for n in (0, 1, 4095, 4096, 70_001, 3)]
+        storage.write_file("many.bin", [memoryview(p) for p in pieces])
+        whole = b"".join(pieces)
+        assert storage.size("many.bin") == len(whole)
+        assert storage.read_range("many.bin", 0, len(whole)) == whole
+
+    def test_large_file_round_trip(self, storage: Storage) -> None:
+        head, body = _data(4096, seed=1), bytearray(_data(self.large_size, seed=2))
+        storage.write_file("large.bin", [memoryview(head), memoryview(body)])
+        assert storage.size("large.bin") == len(head) + len(body)
+        out = bytearray(len(head) + len(body))
+        storage.readinto("large.bin", 0, memoryview(out))
+        assert out == head + body
+
+    def test_write_keeps_no_view_of_the_buffers(self, storage: Storage) -> None:
+        # The daemon unmaps shared memory after a write: a view kept past the call breaks it.
+        buf = bytearray(_data(self.large_size, seed=3))
+        view = memoryview(buf)
+        storage.write_file("views.bin", [view[:100], view[100:]])
+        view.release()
+        buf.append(0)  # BufferError if any view of buf is still alive
+
+    def test_write_replaces_a_file(self, storage: Storage) -> None:
+        storage.write_file("f.bin", [memoryview(_data(5000, seed=1))])
+        storage.write_file("f.bin", [memoryview(b"short")])
+        assert storage.read_range("f.bin", 0, 5) == b"short"
+        assert storage.size("f.bin") == 5
+
+    def test_empty_file(self, storage: Storage) -> None:
+        storage.write_file("empty.bin", [])
+        assert storage.exists("empty.bin")
+        assert storage.size("empty.bin") == 0
+        assert storage.read_range("empty.bin", 0, 0) == b""
+
+    def test_put_atomic(self, storage: Storage) -> None:
+        storage.makedirs("step_2")
+        storage.put_atomic("step_2/manifest.json", b'{"a": 1, "padding": "' + b"x" * 1000 + b'"}')
+        storage.put_atomic("step_2/manifest.json", b'{"a": 2}')
+        assert storage.read_range("step_2/manifest.json", 0, 8) == b'{"a": 2}'
+        assert storage.size("step_2/manifest.json") == 8
+        # no temporary file is left where listings can see it
+        assert storage.list_dir("step_2") == ["manifest.json"]
+
+    def test_makedirs_is_idempotent(self, storage: Storage) -> None:
+        storage.makedirs("a/b")
+        storage.makedirs("a/b")
+        storage.write_file("a/b/c.bin", [memoryview(b"c")])
+        assert storage.list_dir("a") == ["b"]
+
+    # ----------------------------------------------------------------- listing
+
+    def test_list_dir(self, storage: Storage) -> None:
+        assert storage.list_dir("") == []
+        for name in ("step_2", "step_10", "step_1"):
+            storage.makedirs(name)
+            storage.write_file(f"{name}/shard.bin", [memoryview(b"x")])
+        storage.put_atomic("top.json", b"{}")
+        assert storage.list_dir("") == ["step_1", "step_10", "step_2", "top.json"]
+        assert storage.list_dir("step_1") == ["shard.bin"]
+        assert storage.list_dir("no_such_dir") == []
+
+    def test_list_is_fresh_across_instances(
+        self, opened: Callable[[], Storage], storage: Storage
+    ) -> None:
+        # Another process (another rank's daemon) writes behind this instance's back.
+        other = opened()
+        assert storage.list_dir("") == []
+        assert storage.list_dir("step_5") == []
+        other.makedirs("step_5")
+        other.write_file("step_5/shard.bin", [memoryview(b"x")])
+        other.put_atomic("step_5/manifest.json", b"{}")
+        assert storage.list_dir("") == ["step_5"]
+        assert storage.list_dir("step_5") == ["manifest.json", "shard.bin"]
+        assert storage.exists("step_5/manifest.json")
+        other.delete("step_5", recursive=True)
+        assert storage.list_dir("") == []
+        assert not storage.exists("step_5/manifest.json")
+
+    # ----------------------------------------------------------------- reads
+
+    def test_read_ranges(self, storage: Storage) -> None:
+        data = _data(100_000, seed=4)
+        storage.write_file("r.bin", [memoryview(data)])
+        for start, end in [(0, 1), (1, 2), (4095, 4097), (50_000, 100_000), (99_999, 100_000)]:
+            assert storage.read_range("r.bin", start, end) == data[start:end]
+        assert storage.read_range("r.bin", 10, 10) == b""
+
+    def test_read_past_the_end_is_an_error(self, storage: Storage) -> None:
+        storage.write_file("short.bin", [memoryview(b"0123456789")])
+        for start, end in [(5, 11), (10, 20), (100, 200)]:
+            with pytest.raises(StorageError) as info:
+                storage.read_range("short.bin", start, end)
+            assert info.value.errno == errno.EIO
+        out = bytearray(11)
+        with pytest.raises(StorageError):
+            storage.readinto("short.bin", 0, memoryview(out))
+
+    def test_readinto(self, storage: Storage) -> None:
+        data = _data(self.large_size, seed=5)
+        storage.write_file("into.bin", [memoryview(data)])
+        out = bytearray(len(data))
+        storage.readinto("into.bin", 0, memoryview(out))
+        assert out == data
+        # into the middle of a bigger buffer, from an offset
+        big = bytearray(b"\xff" * 300)
+        storage.readinto("into.bin", 1000, memoryview(big)[100:200])
+        assert big[:100] == b"\xff" * 100
+        assert big[100:200] == data[1000:1100]
+        assert big[200:] == b"\xff" * 100
+
+    # ----------------------------------------------------------------- deletes
+
+    def test_delete_file(self, storage: Storage) -> None:
+        storage.write_file("d.bin", [memoryview(b"d")])
+        storage.delete("d.bin")
+        assert not storage.exists("d.bin")
+        assert storage.list_dir("") == []
+        storage.delete("d.bin")  # missing is not an error
+
+    def test_delete_recursive(self, storage: Storage) -> None:
+        for path in ("s/a.bin", "s/sub/b.bin", "s/sub/deeper/c.bin", "keep/k.bin"):
+            storage.makedirs(path.rsplit("/", 1)[0])
+            storage.write_file(path, [memoryview(b"z")])
+        storage.delete("s", recursive=True)
+        assert storage.list_dir("") == ["keep"]
+        assert not storage.exists("s")
+        assert not storage.exists("s/sub/b.bin")
+        assert storage.exists("keep/k.bin")
+        storage.delete("s", recursive=True)  # missing is not an error
+        storage.delete("never", recursive=True)
+
+    def test_delete_manifest_uncommits(self, storage: Storage) -> None:
+        storage.makedirs("step_7")
+        storage.write_file("step_7/shard.bin", [memoryview(b"s")])
+        storage.put_atomic("step_7/manifest.json", b"{}")
+        storage.delete("step_7/manifest.json")
+        assert not storage.exists("step_7/manifest.json")
+        assert storage.list_dir("step_7") == ["shard.bin"]
+
+    # ----------------------------------------------------------------- errors
+
+    def test_missing_things(self, storage: Storage) -> None:
+        assert not storage.exists("missing.bin")
+        assert not storage.exists("missing_dir/missing.bin")
+        for call in (
+            lambda: storage.size("missing.bin"),
+            lambda: storage.read_range("missing.bin", 0, 1),
+            lambda: storage.read_range("missing.bin", 0, 0),
+            lambda: storage.readinto("missing.bin", 0, memoryview(bytearray(4))),
+        ):
+            with pytest.raises(StorageError) as info:
+                call()
+            err = info.value
+            assert err.errno == errno.ENOENT, err
+            assert err.path is not None
+            assert "missing.bin" in err.path
+            assert "missing.bin" in str(err)
+            assert isinstance(err, OSError)

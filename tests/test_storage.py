@@ -1,0 +1,239 @@
+"""The storage registry, and the storage contract on local paths, file:// and memory://."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+from typing import Any
+
+import pytest
+
+from aiockpt.errors import StorageError
+from aiockpt.storage import FsspecStorage, LocalStorage, Storage, open_storage, register_storage
+from aiockpt.storage import _registry as registry
+from aiockpt.storage.testing import StorageContract
+
+# ------------------------------------------------------------------- the contract
+
+
+class TestLocalPath(StorageContract):
+    @pytest.fixture
+    def storage_factory(self, tmp_path):
+        root = str(tmp_path / "root")
+        return lambda: open_storage(root)
+
+
+class TestFileURL(StorageContract):
+    @pytest.fixture
+    def storage_factory(self, tmp_path):
+        url = f"file://{tmp_path}/root"
+
+        def open_it() -> Storage:
+            s = open_storage(url)
+            assert isinstance(s, LocalStorage)
+            return s
+
+        return open_it
+
+
+class TestLocalBuffered(StorageContract):
+    """LocalStorage without O_DIRECT: the path taken where a filesystem has none."""
+
+    @pytest.fixture
+    def storage_factory(self, tmp_path):
+        return lambda: LocalStorage(str(tmp_path / "root"), direct_io=False)
+
+
+class TestFsspecFile(StorageContract):
+    """The generic fsspec implementation, over fsspec's local filesystem."""
+
+    @pytest.fixture
+    def storage_factory(self, tmp_path):
+        (tmp_path / "root").mkdir()
+        return lambda: FsspecStorage(f"file://{tmp_path}/root")
+
+
+class TestMemory(StorageContract):
+    large_size = 3 * 1024 * 1024 + 5
+
+    @pytest.fixture
+    def storage_factory(self):
+        url = f"memory://t-{uuid.uuid4().hex}/root"
+
+        def open_it() -> Storage:
+            s = open_storage(url)
+            assert isinstance(s, FsspecStorage)
+            return s
+
+        yield open_it
+        import fsspec
+
+        fsspec.filesystem("memory").rm(url.split("://")[1].split("/")[0], recursive=True)
+
+
+# ------------------------------------------------------------------- registry
+
+
+def _factory(url: str, options: dict[str, Any]) -> Storage:
+    """A module-level factory: importable by name, as the daemon needs."""
+    return LocalStorage(url.split("://", 1)[1], url=url)
+
+
+def _bad_factory(url: str, options: dict[str, Any]) -> object:
+    return object()
+
+
+def _protocol() -> str:
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """Registrations write the environment; put it back after the test."""
+    monkeypatch.setenv(registry.ENV_VAR, "")
+
+
+def test_register_storage_in_code(tmp_path, clean_env) -> None:
+    proto = _protocol()
+    register_storage(proto, _factory)
+    assert proto in registry.registered_protocols()
+    s = open_storage(f"{proto}://{tmp_path}")
+    assert isinstance(s, LocalStorage)
+    assert s.root == str(tmp_path)
+    # recorded for the daemon process, which inherits the environment
+    assert f"{proto}={__name__}:_factory" in os.environ[registry.ENV_VAR]
+
+
+def test_register_refuses_to_replace_unless_clobber(clean_env) -> None:
+    proto = _protocol()
+    register_storage(proto, _factory)
+    register_storage(proto, _factory)  # the same factory again is fine
+    with pytest.raises(ValueError, match="already registered"):
+        register_storage(proto, _bad_factory)
+    register_storage(proto, _bad_factory, clobber=True)
+    with pytest.raises(TypeError, match="does not implement aiockpt.storage.Storage"):
+        open_storage(f"{proto}://x")
+
+
+def test_register_refuses_what_the_daemon_cannot_import(clean_env) -> None:
+    with pytest.raises(ValueError, match="cannot be imported by name"):
+        register_storage(_protocol(), lambda url, options: _factory(url, options))
+    with pytest.raises(ValueError, match="bad protocol name"):
+        register_storage("no/slash", _factory)
+    with pytest.raises(ValueError, match="module:attr"):
+        register_storage(_protocol(), "no_colon")
+    with pytest.raises(TypeError, match="not callable"):
+        register_storage(_protocol(), 42)  # type: ignore[arg-type]
+
+
+def test_registration_reaches_a_child_process(tmp_path, clean_env) -> None:
+    """What the daemon sees: a fresh interpreter with the environment of its parent."""
+    proto = _protocol()
+    register_storage(proto, _factory)
+    code = f"from aiockpt.storage import open_storage; print(open_storage('{proto}://{tmp_path}'))"
+    env = dict(os.environ)
+    here = os.path.dirname(__file__)  # so the child can import this module, as a daemon would
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert "LocalStorage" in out.stdout
+
+
+def test_factory_returning_the_wrong_type(clean_env) -> None:
+    proto = _protocol()
+    register_storage(proto, _bad_factory)
+    with pytest.raises(TypeError) as info:
+        open_storage(f"{proto}://anything")
+    assert proto in str(info.value)
+    assert "object" in str(info.value)
+
+
+def test_missing_s3_plugin_names_what_to_install(monkeypatch) -> None:
+    # As if aiockpt-s3 were not installed: no entry point for s3.
+    monkeypatch.setattr(registry, "entry_points", lambda group: [])
+    for proto in ("s3", "s3a"):
+        with pytest.raises(StorageError) as info:
+            open_storage(f"{proto}://bucket/run")
+        assert "aiockpt-s3" in str(info.value)
+        assert "pip install" in str(info.value)
+
+
+def test_unknown_protocol() -> None:
+    with pytest.raises(StorageError, match="no storage knows the protocol 'nosuchproto'"):
+        open_storage("nosuchproto://x/y")
+
+
+def test_local_paths_take_no_options(tmp_path) -> None:
+    with pytest.raises(ValueError, match="storage_options"):
+        open_storage(str(tmp_path), {"anon": True})
+
+
+# ------------------------------------------------------------------- entry points
+
+
+def _install_fake_plugin(where, proto: str, module: str, body: str) -> None:
+    """A distribution on sys.path: metadata with one aiockpt.storage entry point."""
+    dist = where / f"fake_{module}-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: fake-{module}\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(f"[aiockpt.storage]\n{proto} = {module}:factory\n")
+    (where / f"{module}.py").write_text(textwrap.dedent(body))
+
+
+def test_entry_point_plugin_is_imported_only_when_used(tmp_path, monkeypatch) -> None:
+    proto, module = _protocol(), f"plug_{uuid.uuid4().hex[:8]}"
+    _install_fake_plugin(
+        tmp_path,
+        proto,
+        module,
+        """
+        from aiockpt.storage import LocalStorage
+
+        def factory(url, options):
+            return LocalStorage(url.split("://", 1)[1], url=url)
+        """,
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert proto in registry.registered_protocols()
+    open_storage(str(tmp_path / "local"))  # other protocols do not import it
+    assert module not in sys.modules
+    s = open_storage(f"{proto}://{tmp_path}/r")
+    assert module in sys.modules
+    assert isinstance(s, LocalStorage)
+    assert s.url == f"{proto}://{tmp_path}/r"
+
+
+def test_entry_point_that_fails_to_import(tmp_path, monkeypatch) -> None:
+    proto, module = _protocol(), f"plug_{uuid.uuid4().hex[:8]}"
+    _install_fake_plugin(tmp_path, proto, module, "import a_module_that_does_not_exist\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(StorageError) as info:
+        open_storage(f"{proto}://x")
+    assert f"{module}:factory" in str(info.value)
+    assert "a_module_that_does_not_exist" in str(info.value)
+
+
+def test_entry_point_returning_the_wrong_type(tmp_path, monkeypatch) -> None:
+    proto, module = _protocol(), f"plug_{uuid.uuid4().hex[:8]}"
+    _install_fake_plugin(tmp_path, proto, module, "def factory(url, options):\n    return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(TypeError, match="returned int, which does not implement"):
+        open_storage(f"{proto}://x")
+
+
+def test_s3_entry_point_is_installed_and_lazy() -> None:
+    """The aiockpt-s3 distribution registers s3 and s3a without being imported."""
+    code = (
+        "import sys; from aiockpt.storage import registered_protocols; "
+        "p = registered_protocols(); "
+        "print('s3' in p, 's3a' in p, 'aiockpt_s3' in sys.modules, 's3fs' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.split() == ["True", "True", "False", "False"]
