@@ -190,6 +190,7 @@ class AsyncCheckpointManager:
                 "on_sigterm='flush' needs the event loop in the main thread: Python sets signal "
                 "handlers only there"
             )
+        group_info = process_group_info(self.process_group)  # first: refuses a non-group clearly
         self._group = _dist.resolve_group(self.process_group)
         if self._group is not None:
             self.rank, self.world_size = self._group.rank, self._group.world_size
@@ -197,7 +198,7 @@ class AsyncCheckpointManager:
             [*self._handlers, *entry_point_handlers()],
             rank=self.rank,
             world_size=self.world_size,
-            process_group=process_group_info(self.process_group),
+            process_group=group_info,
         )
         stack = contextlib.AsyncExitStack()
         self._tg = await stack.enter_async_context(anyio.create_task_group())

@@ -525,6 +525,12 @@ def test_process_group_info_refuses_what_is_not_a_group(default_gloo):
         process_group_info(dist.GroupMember.NON_GROUP_MEMBER)
 
 
+async def test_a_manager_refuses_a_process_group_that_is_not_one(root, default_gloo):
+    manager = AsyncCheckpointManager(root, process_group="gloo")
+    with pytest.raises(TypeError, match="must be a torch.distributed ProcessGroup, not str"):
+        await manager.open()
+
+
 def test_process_group_info_is_empty_without_torch_distributed():
     assert not dist.is_initialized()
     assert process_group_info() == {}
