@@ -4,6 +4,8 @@ import json
 import logging
 import os
 import signal
+import subprocess
+import sys
 import types
 from collections import defaultdict
 from importlib.metadata import EntryPoint
@@ -507,6 +509,82 @@ async def test_events_carry_the_group_passed_not_the_default(root, default_gloo,
     for e in rec.events:
         assert e.process_group == expected
         assert json.loads(e.to_json())["process_group"] == expected
+
+
+# One rank of a two-rank gloo run: the default group is both ranks; each rank checkpoints with
+# a group of its own (size 1), so name, size and rank all differ from the default group's.
+RANK_SCRIPT = """
+import json, sys
+import anyio, torch, torch.distributed as dist
+from aiockpt import AsyncCheckpointManager
+from aiockpt.events import JsonLinesHandler
+
+rank, store, root, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+groups = [dist.new_group([0]), dist.new_group([1])]  # every rank makes every group
+mine = groups[rank]
+
+
+async def main():
+    handler = JsonLinesHandler(out + ".jsonl")
+    async with AsyncCheckpointManager(root, process_group=mine, event_handlers=[handler]) as m:
+        await (await m.save(1, {"w": torch.full((4,), float(rank))}))
+        await m.load(1)
+
+
+anyio.run(main)
+with open(out + ".truth", "w") as f:
+    json.dump({"name": dist._get_process_group_name(mine), "world": dist.get_world_size()}, f)
+dist.destroy_process_group()
+"""
+
+
+def test_two_gloo_ranks_each_passing_its_own_group(tmp_path):
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                RANK_SCRIPT,
+                str(rank),
+                str(tmp_path / "store"),
+                str(tmp_path / f"root{rank}"),
+                str(tmp_path / f"rank{rank}"),
+            ]
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        codes = [p.wait(timeout=100) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert codes == [0, 0]
+    names = set()
+    for rank in (0, 1):
+        truth = json.loads((tmp_path / f"rank{rank}.truth").read_text())
+        assert truth["world"] == 2
+        lines = (tmp_path / f"rank{rank}.jsonl").read_text().splitlines()
+        events = [Event.from_json(line) for line in lines]
+        assert [e.name for e in events if e.uuid is not None] == [
+            *SAVE_PHASES,
+            "load.start",
+            "load.end",
+        ]
+        for e in events:
+            # the default group would say size 2, name "0", and rank 1 on the second rank
+            assert e.process_group == {
+                "backend": "gloo",
+                "name": truth["name"],
+                "size": 1,
+                "rank": 0,
+            }
+            assert (e.rank, e.world_size) == (0, 1)
+        names.add(truth["name"])
+    assert len(names) == 2
+    assert "0" not in names
 
 
 async def test_without_a_group_events_carry_the_default_group(root, default_gloo):
