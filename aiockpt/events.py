@@ -216,6 +216,8 @@ class EventDispatcher:
     ) -> Event:
         if name not in EVENT_NAMES:
             raise ValueError(f"unknown event name {name!r}")
+        if (error is None) == name.endswith(".exception"):
+            raise ValueError(f"{name}: an error goes with exception events, and only with them")
         if isinstance(error, BaseException):
             error = error_info(error)
         op, _, phase = name.partition(".")
@@ -361,7 +363,11 @@ class ScopeTracker:
             if phase == "end":
                 cm.__exit__(None, None, None)
             else:
-                exc = RecordedError.from_event(event)
+                exc = (
+                    RecordedError.from_event(event)
+                    if event.error is not None
+                    else RecordedError("unknown", f"{event.name} carried no error", "")
+                )
                 try:  # raise it once so that it carries a real traceback object
                     raise exc
                 except RecordedError:

@@ -464,6 +464,21 @@ def test_dispatcher_times_operations_and_refuses_unknown_names():
     assert {(e.rank, e.world_size, e.process_group["name"]) for e in rec.events} == {(3, 8, "g")}
     with pytest.raises(ValueError, match="unknown event name"):
         events.emit("save.begin", uuid="w", step=1)
+    with pytest.raises(ValueError, match="only with them"):
+        events.emit("save.exception", uuid="w", step=1)
+    with pytest.raises(ValueError, match="only with them"):
+        events.emit("save.end", uuid="w", step=1, error=RuntimeError("x"))
+
+
+def test_scope_tracker_exits_with_an_error_even_when_none_was_recorded():
+    scopes = Scopes()
+    start = Event("load.start", "u", 1, 0, 1)
+    scopes.tracker(start)
+    scopes.tracker(Event("load.exception", "u", 1, 0, 1))  # e.g. read back from an old file
+    assert scopes.tracker.open_scopes() == []
+    exit_args = scopes.by_uuid("u").exit_args
+    assert exit_args is not None
+    assert "carried no error" in str(exit_args[1])
 
 
 # --------------------------------------------------------------------------- process groups
