@@ -1,0 +1,641 @@
+"""The ``aiockpt`` command: list, inspect, verify and prune a checkpoint root.
+
+``aiockpt ls ROOT``, ``aiockpt show ROOT STEP``, ``aiockpt verify ROOT [STEP]`` and
+``aiockpt prune ROOT [--keep-…] [--yes]``. ROOT is a local path or any URL the storage registry
+serves. Exit codes: 0 done (and intact), 1 corruption found or the storage failed, 2 a mistake
+in the command line or a root without checkpoints. It imports neither torch nor the manager:
+manifests are read (and validated as untrusted) and bytes checked through the storage layer
+the daemon uses, so it starts fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn, TextIO
+
+import crc32c
+
+from . import _format as fmt
+from .errors import CheckpointError, CorruptCheckpointError
+from .retention import (
+    AnyOf,
+    BestN,
+    CheckpointRecord,
+    EveryNSeconds,
+    EveryNSteps,
+    LatestN,
+    RetentionPolicy,
+    collectable_partials,
+    select_deletions,
+)
+from .storage import Storage, open_storage
+
+__all__ = ["main"]
+
+#: A manifest larger than this is refused before it is read (as the daemon does).
+MAX_MANIFEST_BYTES = 1 << 30
+#: verify reads shards in pieces of this size: bounded memory, whatever the checkpoint size.
+CHUNK = 16 << 20
+
+
+class UsageError(Exception):
+    """A mistake of the user's: reported in one line on stderr, exit code 2."""
+
+
+# --------------------------------------------------------------------------- reading a root
+
+
+@dataclass(slots=True)
+class Entry:
+    """A committed step directory: its manifest, or why it could not be read."""
+
+    step: int
+    manifest: fmt.Manifest | None = None
+    error: str | None = None
+
+    @property
+    def dirname(self) -> str:
+        return fmt.step_dirname(self.step)
+
+
+@dataclass(slots=True)
+class Root:
+    storage: Storage
+    url: str
+    committed: list[Entry]
+    partials: list[int]
+
+    def where(self, path: str = "") -> str:
+        base = self.url.rstrip("/")
+        return f"{base}/{path}" if path else base
+
+
+def open_root(url: str, options: dict[str, Any]) -> Storage:
+    try:
+        return open_storage(url, options)
+    except (CheckpointError, ValueError, TypeError, ImportError) as e:
+        raise UsageError(f"cannot open {url}: {e}") from None
+
+
+def read_manifest(storage: Storage, step: int) -> fmt.Manifest:
+    path = f"{fmt.step_dirname(step)}/{fmt.MANIFEST}"
+    where = f"{storage.url.rstrip('/')}/{path}"
+    size = storage.size(path)
+    if size > MAX_MANIFEST_BYTES:
+        raise CorruptCheckpointError(f"{where}: manifest of {size} bytes is too large", path=where)
+    return fmt.parse_manifest(storage.read_range(path, 0, size), path=where, step=step)
+
+
+def scan(storage: Storage, url: str, *, steps: Sequence[int] | None = None) -> Root:
+    """The step directories of a root; manifests are read for ``steps`` (all when None)."""
+    try:
+        names = storage.list_dir("")
+    except CheckpointError as e:
+        raise UsageError(f"cannot list {url}: {e}") from None
+    committed: list[Entry] = []
+    partials: list[int] = []
+    for name in names:
+        step = fmt.parse_step_dirname(name)
+        if step is None:
+            continue
+        if not storage.exists(f"{name}/{fmt.MANIFEST}"):
+            partials.append(step)
+            continue
+        entry = Entry(step)
+        if steps is None or step in steps:
+            try:
+                entry.manifest = read_manifest(storage, step)
+            except CheckpointError as e:  # corrupt, or gone since it was listed
+                entry.error = str(e)
+        committed.append(entry)
+    return Root(storage, url, sorted(committed, key=lambda e: e.step), sorted(partials))
+
+
+def require_checkpoints(root: Root) -> None:
+    if not root.committed:
+        extra = f" ({plural(len(root.partials), 'partial step dir')})" if root.partials else ""
+        raise UsageError(f"no checkpoints in {root.url}{extra}")
+
+
+def require_step(root: Root, step: int) -> Entry:
+    for entry in root.committed:
+        if entry.step == step:
+            return entry
+    steps = [e.step for e in root.committed]
+    shown = ", ".join(map(str, steps[-10:]))
+    partial = " (its directory is a partial save)" if step in root.partials else ""
+    raise UsageError(
+        f"step {step} is not a committed checkpoint in {root.url}{partial}; committed: "
+        f"{shown if len(steps) <= 10 else '…, ' + shown}"
+    )
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def human_bytes(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        value /= 1024
+        if value < 1024 or unit == "PiB":
+            return f"{value:.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def format_time(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def format_value(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return json.dumps(v, ensure_ascii=False) if not isinstance(v, str) else v
+
+
+def format_metrics(metrics: dict[str, Any]) -> str:
+    return " ".join(f"{k}={format_value(v)}" for k, v in sorted(metrics.items()))
+
+
+def table(rows: list[list[str]], out: TextIO, *, right: Sequence[int] = ()) -> None:
+    """Rows as aligned columns; the first row is the header; ``right`` columns align right."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        cells = [
+            cell.rjust(w) if i in right else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        out.write("  ".join(cells).rstrip() + "\n")
+
+
+def plain_values(tree: Any) -> Iterator[tuple[str, str]]:
+    """(key path, value) of every non-tensor leaf, in tree order; iterative (trees are deep)."""
+    stack: list[tuple[str, Any]] = [("", tree)]
+    while stack:
+        path, node = stack.pop()
+        ((tag, body),) = node.items()
+        prefix = f"{path}/" if path else ""
+        if tag == "T":
+            continue
+        if tag == "V":
+            yield path or "<root>", json.dumps(body, ensure_ascii=False)
+        elif tag == "F":
+            yield path or "<root>", body
+        elif tag == "S":
+            stack.append((path, body))
+        elif tag == "D":
+            if not body and path:
+                yield path, "{}"
+            stack.extend((f"{prefix}{k}", child) for k, child in reversed(body))
+        elif tag in ("L", "U"):
+            if not body and path:
+                yield path, "[]" if tag == "L" else "()"
+            stack.extend((f"{prefix}{i}", child) for i, child in reversed(list(enumerate(body))))
+
+
+class Progress:
+    """A one-line progress bar on a terminal; silent otherwise."""
+
+    def __init__(self, total: int, stream: TextIO) -> None:
+        self.total = max(total, 1)
+        self.stream = stream
+        self.enabled = stream.isatty()
+        self.done = 0
+        self.last = 0.0
+        self.width = 0
+
+    def advance(self, n: int, label: str) -> None:
+        self.done += n
+        now = time.monotonic()
+        if not self.enabled or (now - self.last < 0.1 and self.done < self.total):
+            return
+        self.last = now
+        frac = min(self.done / self.total, 1.0)
+        bar = "#" * int(frac * 30)
+        line = (
+            f"{label} [{bar:<30}] {frac * 100:3.0f}% "
+            f"{human_bytes(self.done)}/{human_bytes(self.total)}"
+        )
+        self.stream.write("\r" + line.ljust(self.width))
+        self.stream.flush()
+        self.width = len(line)
+
+    def close(self) -> None:
+        if self.enabled and self.width:
+            self.stream.write("\r" + " " * self.width + "\r")
+            self.stream.flush()
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    root = scan(open_root(args.root, args.storage_options), args.root)
+    require_checkpoints(root)
+    out: TextIO = sys.stdout
+    if args.json:
+        for e in root.committed:
+            m = e.manifest
+            record: dict[str, Any] = {"step": e.step, "url": root.where(e.dirname)}
+            if m is None:
+                record["error"] = e.error
+            else:
+                record.update(created_at=m.created_at, nbytes=m.nbytes, metrics=m.metrics)
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+        return 0
+    rows = [["STEP", "COMMITTED", "SIZE", "METRICS"]]
+    for e in root.committed:
+        m = e.manifest
+        if m is None:
+            rows.append([str(e.step), "?", "?", "unreadable manifest (aiockpt verify says why)"])
+        else:
+            rows.append(
+                [
+                    str(e.step),
+                    format_time(m.created_at),
+                    human_bytes(m.nbytes),
+                    format_metrics(m.metrics),
+                ]
+            )
+    table(rows, out, right=(0, 2))
+    total = sum(e.manifest.nbytes for e in root.committed if e.manifest is not None)
+    note = f"{plural(len(root.committed), 'checkpoint')}, {human_bytes(total)}"
+    if root.partials:
+        note += (
+            f"; {plural(len(root.partials), 'partial step dir')} not listed "
+            f"({', '.join(map(str, root.partials))}; aiockpt prune removes them)"
+        )
+    print(note, file=sys.stderr)
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    root = scan(open_root(args.root, args.storage_options), args.root, steps=[args.step])
+    require_checkpoints(root)
+    entry = require_step(root, args.step)
+    m = entry.manifest
+    if m is None:
+        print(f"aiockpt: {entry.error}", file=sys.stderr)
+        return 1
+    out = sys.stdout
+    out.write(
+        f"step {m.step}  committed {format_time(m.created_at)}  {human_bytes(m.nbytes)}  "
+        f"world size {m.world_size}\n"
+    )
+    out.write(f"url       {root.where(entry.dirname)}\n")
+    if m.metrics:
+        out.write(f"metrics   {format_metrics(m.metrics)}\n")
+    if m.metadata:
+        out.write(f"metadata  {json.dumps(m.metadata, ensure_ascii=False, sort_keys=True)}\n")
+    for shard in sorted(m.shards, key=lambda s: s.rank):
+        records = m.tensors[shard.file]
+        tree = m.trees[shard.rank]
+        fmt.check_tree(tree, set(records), path=root.where(f"{entry.dirname}/{fmt.MANIFEST}"))
+        title = "tensors" if m.world_size == 1 else f"rank {shard.rank}: tensors"
+        out.write(f"\n{title} ({len(records)}, {human_bytes(shard.nbytes)} in {shard.file})\n")
+        if records:
+            rows = [["KEY", "DTYPE", "SHAPE", "BYTES"]]
+            for name, r in sorted(records.items()):
+                rows.append([name, r.dtype, str(list(r.shape)), str(r.end - r.start)])
+            table(rows, out, right=(3,))
+        values = list(plain_values(tree))
+        if values:
+            out.write(f"\n{'values' if m.world_size == 1 else f'rank {shard.rank}: values'}\n")
+            table([["KEY", "VALUE"], *([k, v] for k, v in values)], out)
+    return 0
+
+
+def verify_shard(
+    storage: Storage,
+    step_dir: str,
+    shard: fmt.ShardRecord,
+    records: dict[str, fmt.TensorRecord],
+    progress: Progress,
+    label: str,
+) -> list[str]:
+    """Problems with one shard: missing, wrong size, failed whole-file or tensor crc32c."""
+    path = f"{step_dir}/{shard.file}"
+    try:
+        size = storage.size(path)
+    except CheckpointError:
+        return [f"{path}: missing"]
+    if size != shard.nbytes:
+        progress.advance(shard.nbytes, label)
+        return [f"{path}: {size} bytes, the manifest says {shard.nbytes}"]
+    order = sorted(records.items(), key=lambda item: (item[1].start, item[1].end))
+    crcs = dict.fromkeys(records, 0)
+    active: list[tuple[str, fmt.TensorRecord]] = []
+    nxt = 0
+    whole = 0
+    buf = bytearray(min(CHUNK, max(shard.nbytes, 1)))
+    for lo in range(0, shard.nbytes, CHUNK):
+        hi = min(lo + CHUNK, shard.nbytes)
+        view = memoryview(buf)[: hi - lo]
+        try:
+            storage.readinto(path, lo, view)
+        except CheckpointError as e:
+            progress.advance(shard.nbytes - lo, label)
+            return [f"{path}: unreadable: {e}"]
+        whole = crc32c.crc32c(view, whole)
+        # Tensors are streamed too: each chunk updates the crc of every tensor it overlaps.
+        while nxt < len(order) and order[nxt][1].start < hi:
+            active.append(order[nxt])
+            nxt += 1
+        still = []
+        for name, r in active:
+            a, b = max(r.start, lo), min(r.end, hi)
+            if a < b:
+                crcs[name] = crc32c.crc32c(view[a - lo : b - lo], crcs[name])
+            if r.end > hi:
+                still.append((name, r))
+        active = still
+        progress.advance(hi - lo, label)
+    problems = []
+    if whole != shard.crc32c:
+        problems.append(f"{path}: whole-file crc32c mismatch")
+    for name, r in order:
+        if crcs[name] != r.crc32c:
+            problems.append(f"{path}: tensor {name!r} crc32c mismatch")
+    return problems
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    steps = None if args.step is None else [args.step]
+    root = scan(open_root(args.root, args.storage_options), args.root, steps=steps)
+    require_checkpoints(root)
+    entries = root.committed if args.step is None else [require_step(root, args.step)]
+    total = sum(e.manifest.nbytes for e in entries if e.manifest is not None)
+    progress = Progress(total, sys.stderr)
+    bad = 0
+    try:
+        for e in entries:
+            if e.manifest is None:
+                problems = [f"{e.dirname}/{fmt.MANIFEST}: {e.error}"]
+            else:
+                problems = []
+                for shard in e.manifest.shards:
+                    problems += verify_shard(
+                        root.storage,
+                        e.dirname,
+                        shard,
+                        e.manifest.tensors[shard.file],
+                        progress,
+                        f"step {e.step}",
+                    )
+            progress.close()
+            if problems:
+                bad += 1
+                print(f"step {e.step}: CORRUPT")
+                for p in problems:
+                    print(f"  {p}")
+            else:
+                size = human_bytes(e.manifest.nbytes) if e.manifest else ""
+                print(f"step {e.step}: ok ({size})")
+    finally:
+        progress.close()
+    n = len(entries)
+    if bad:
+        print(f"{bad} of {plural(n, 'checkpoint')} corrupt", file=sys.stderr)
+        return 1
+    print(f"{'all ' if n > 1 else ''}{plural(n, 'checkpoint')} intact", file=sys.stderr)
+    return 0
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    parts: list[RetentionPolicy] = []
+    if args.keep_last is not None:
+        parts.append(LatestN(args.keep_last))
+    if args.keep_every is not None:
+        parts.append(EveryNSteps(args.keep_every))
+    if args.keep_every_seconds is not None:
+        parts.append(EveryNSeconds(args.keep_every_seconds))
+    parts.extend(args.keep_best)
+    policy = AnyOf(*parts) if parts else None
+
+    root = scan(open_root(args.root, args.storage_options), args.root)
+    if not root.committed and not (args.all_partials and root.partials):
+        require_checkpoints(root)
+    records = []
+    for e in root.committed:
+        if e.manifest is None:  # never deleted on a guess; verify says what is wrong
+            print(f"keeping step {e.step}: its manifest is unreadable ({e.error})", file=sys.stderr)
+        else:
+            records.append(CheckpointRecord(e.step, e.manifest.created_at, e.manifest.metrics))
+    readable = [e for e in root.committed if e.manifest is not None]
+    doomed = set(select_deletions(policy, records))
+    step_dirs = {e.step: True for e in root.committed} | dict.fromkeys(root.partials, False)
+    partials = collectable_partials(step_dirs, everything=args.all_partials)
+    spared = sorted(set(root.partials) - set(partials))
+
+    out = sys.stdout
+    verb = "deleting" if args.yes else "would delete"
+    for e in readable:
+        if e.step in doomed:
+            m = e.manifest
+            assert m is not None
+            out.write(
+                f"{verb} step {e.step} (committed {format_time(m.created_at)}, "
+                f"{human_bytes(m.nbytes)})\n"
+            )
+            if args.yes:
+                # Uncommit first: a deletion cut short leaves a partial, never a broken step.
+                root.storage.delete(f"{e.dirname}/{fmt.MANIFEST}")
+                root.storage.delete(e.dirname, recursive=True)
+    for step in partials:
+        out.write(f"{verb} partial step directory {fmt.step_dirname(step)}\n")
+        if args.yes:
+            root.storage.delete(fmt.step_dirname(step), recursive=True)
+    if spared:
+        print(
+            f"left partial step directories at or above the newest commit (a save may still be "
+            f"writing them; --all-partials removes them too): {', '.join(map(str, spared))}",
+            file=sys.stderr,
+        )
+    kept = [e.step for e in root.committed if e.step not in doomed]
+    out.write(f"keeping {plural(len(kept), 'checkpoint')}: {', '.join(map(str, kept)) or '-'}\n")
+    if not doomed and not partials:
+        print("nothing to delete", file=sys.stderr)
+    elif not args.yes:
+        print("dry run: nothing was deleted; pass --yes to delete", file=sys.stderr)
+    return 0
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with its errors raised as one-line :class:`UsageError` (no usage dump)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def step_arg(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"a step is a non-negative integer, not {text!r}"
+        ) from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a step is a non-negative integer, not {value}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
+    return value
+
+
+def best_spec(text: str) -> BestN:
+    """``METRIC:MODE:N``, e.g. ``loss:min:2`` (the metric name may itself contain colons)."""
+    parts = text.rsplit(":", 2)
+    if len(parts) != 3 or not parts[0]:
+        raise argparse.ArgumentTypeError(f"expected METRIC:MODE:N such as loss:min:2, not {text!r}")
+    metric, mode, n = parts
+    if mode not in ("min", "max"):
+        raise argparse.ArgumentTypeError(f"MODE must be min or max, not {mode!r} (in {text!r})")
+    return BestN(positive_int(n), metric, mode)  # type: ignore[arg-type]
+
+
+def storage_option(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, not {text!r}")
+    try:
+        value = json.loads(raw)  # numbers, booleans, objects; anything else is a string
+    except ValueError:
+        value = raw
+    return key, value
+
+
+def build_parser() -> tuple[Parser, dict[str, Parser]]:
+    """The top-level parser and each command's parser, by name."""
+    common = Parser(add_help=False)
+    common.add_argument("root", metavar="ROOT", help="checkpoint root: a path or a URL")
+    common.add_argument(
+        "-o",
+        "--storage-option",
+        dest="options",
+        metavar="KEY=VALUE",
+        type=storage_option,
+        action="append",
+        default=[],
+        help="a storage option (VALUE is parsed as JSON when it can be); repeatable",
+    )
+    parser = Parser(
+        prog="aiockpt",
+        description="Inspect, verify and prune aiockpt checkpoint roots.",
+        epilog="Exit codes: 0 ok, 1 corruption or a storage failure, 2 a usage mistake.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("ls", parents=[common], help="list committed checkpoints")
+    p.add_argument("--json", action="store_true", help="one JSON object per checkpoint")
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser("show", parents=[common], help="tensors and values of one checkpoint")
+    p.add_argument("step", metavar="STEP", type=step_arg)
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("verify", parents=[common], help="re-read and check every checksum")
+    p.add_argument("step", metavar="STEP", type=step_arg, nargs="?", help="only this step")
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser(
+        "prune",
+        parents=[common],
+        help="delete checkpoints a policy does not keep, and partial saves",
+        description="Show what a retention policy would delete (kept: any checkpoint one of the "
+        "--keep options keeps, and always the newest); delete it with --yes. Without --keep "
+        "options every checkpoint is kept and only partial step directories go.",
+    )
+    p.add_argument("--keep-last", metavar="N", type=positive_int, help="keep the N newest")
+    p.add_argument("--keep-every", metavar="K", type=positive_int, help="keep steps divisible by K")
+    p.add_argument(
+        "--keep-every-seconds",
+        metavar="S",
+        type=positive_seconds,
+        help="keep the first checkpoint committed in each S-second window",
+    )
+    p.add_argument(
+        "--keep-best",
+        metavar="METRIC:MODE:N",
+        type=best_spec,
+        action="append",
+        default=[],
+        help="keep the N best by METRIC, MODE min or max; repeatable",
+    )
+    p.add_argument(
+        "--all-partials",
+        action="store_true",
+        help="also remove partial step directories at or above the newest commit "
+        "(only when no save is running)",
+    )
+    p.add_argument("--yes", action="store_true", help="delete; without it, only show")
+    p.set_defaults(func=cmd_prune)
+    return parser, dict(sub.choices)
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    parser, commands = build_parser()
+    if argv and argv[0] in commands:
+        # Intermixed, so options may come anywhere: `verify ROOT -o k=v STEP` finds STEP.
+        # (argparse cannot intermix through subparsers, hence the dispatch by hand.)
+        args = commands[argv[0]].parse_intermixed_args(argv[1:])
+        args.command = argv[0]
+        return args
+    return parser.parse_args(argv)  # help, or an error about the command
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code."""
+    try:
+        args = parse(sys.argv[1:] if argv is None else list(argv))
+        args.storage_options = dict(args.options)
+        return int(args.func(args))
+    except UsageError as e:
+        print(f"aiockpt: error: {e}", file=sys.stderr)
+        return 2
+    except (CheckpointError, OSError) as e:
+        if isinstance(e, BrokenPipeError):  # `aiockpt ls ROOT | head`: not an error
+            with contextlib.suppress(OSError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 1
+        print(f"aiockpt: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("aiockpt: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
