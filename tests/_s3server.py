@@ -1,0 +1,189 @@
+"""A real S3 server for tests: moto's server mode over HTTP on 127.0.0.1, in a thread.
+
+``S3Server`` serves moto's S3 with a hook called on every request (to act at a precise
+moment, say the third part of an upload). ``Gate`` is a TCP relay in front of it that can
+go down (listening socket closed, live connections reset) and come back on the same port,
+which is what a client sees of a server that stops; moto's state lives on behind it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
+from werkzeug.serving import WSGIRequestHandler, make_server
+
+KEY = "testing"
+SECRET = "testing"
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log(self, type: str, message: str, *args: Any) -> None:
+        pass
+
+
+class ErrorReply(Exception):
+    """Raised by an ``on_request`` hook: the server answers with this S3 error instead."""
+
+    def __init__(self, status: int, code: str = "InternalError") -> None:
+        super().__init__(status, code)
+        self.status, self.code = status, code
+
+
+class S3Server:
+    """moto's S3 at ``endpoint``; ``on_request(environ)`` sees every request first."""
+
+    def __init__(self) -> None:
+        self._app = DomainDispatcherApplication(create_backend_app)
+        self.on_request: Callable[[dict[str, Any]], None] | None = None
+        self._server = make_server(
+            "127.0.0.1", 0, self._wsgi, threaded=True, request_handler=_QuietHandler
+        )
+        self.port = self._server.server_address[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def _wsgi(self, environ: dict[str, Any], start_response: Any) -> Any:
+        hook = self.on_request
+        try:
+            if hook is not None:
+                hook(environ)
+        except ErrorReply as r:
+            environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
+            body = (
+                f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{r.code}</Code>"
+                "<Message>injected by the test</Message></Error>"
+            ).encode()
+            start_response(f"{r.status} Injected", [("Content-Type", "application/xml")])
+            return [body]
+        return self._app(environ, start_response)
+
+    def client(self, endpoint: str | None = None) -> Any:
+        """A plain boto3 client of this server, to look behind the storage's back."""
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=endpoint or self.endpoint,
+            aws_access_key_id=KEY,
+            aws_secret_access_key=SECRET,
+            region_name="us-east-1",
+        )
+
+    def new_bucket(self) -> str:
+        name = f"b-{uuid.uuid4().hex[:16]}"
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def options(self, endpoint: str | None = None, **extra: Any) -> dict[str, Any]:
+        """storage_options pointing s3fs at this server."""
+        return {
+            "endpoint_url": endpoint or self.endpoint,
+            "key": KEY,
+            "secret": SECRET,
+            "client_kwargs": {"region_name": "us-east-1"},
+            **extra,
+        }
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+
+
+def is_upload_part(environ: dict[str, Any]) -> bool:
+    query = environ.get("QUERY_STRING", "")
+    return environ["REQUEST_METHOD"] == "PUT" and "partNumber=" in query and "uploadId=" in query
+
+
+class Gate:
+    """A TCP relay from ``endpoint`` to ``target_port`` that can be taken down and back up."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        probe = socket.socket()
+        probe.bind(("127.0.0.1", 0))
+        self.port = probe.getsockname()[1]
+        probe.close()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._listener: socket.socket | None = None
+        self.up()
+
+    def up(self) -> None:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", self.port))
+        sock.listen(64)
+        self._listener = sock
+        threading.Thread(target=self._accept, args=(sock,), daemon=True).start()
+
+    def down(self) -> None:
+        """Refuse new connections and reset every open one."""
+        with self._lock:
+            sock, self._listener = self._listener, None
+            conns, self._conns = self._conns, set()
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+        for c in conns:
+            with contextlib.suppress(OSError):
+                # linger 0: close sends RST, the client sees "connection reset"
+                c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                c.close()
+
+    def _accept(self, sock: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = sock.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(("127.0.0.1", self.target_port))
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                if self._listener is not sock:
+                    client.close()
+                    server.close()
+                    return
+                self._conns |= {client, server}
+            left = [2]  # directions still open; the last one closes both sockets
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pipe, args=(a, b, left), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, left: list[int]) -> None:
+        try:
+            while data := src.recv(1 << 20):
+                dst.sendall(data)
+        except OSError:
+            pass
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+        with self._lock:
+            left[0] -= 1
+            last = left[0] == 0
+            if last:
+                self._conns -= {src, dst}
+        if last:
+            src.close()
+            dst.close()
+
+
+@contextlib.contextmanager
+def running() -> Iterator[S3Server]:
+    server = S3Server()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,308 @@
+"""The S3 plugin against a real S3 server (moto's server mode on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import errno
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from _s3server import ErrorReply, Gate, S3Server, is_upload_part
+
+import aiockpt_s3
+from aiockpt import AsyncCheckpointManager
+from aiockpt.errors import StorageError
+from aiockpt.retention import LatestN
+from aiockpt.storage import open_storage
+from aiockpt.storage.testing import StorageContract
+
+MiB = 1024 * 1024
+# Small parts so a few MiB make a multipart upload; fast retries so failures are quick.
+FAST = {"part_size": 5 * MiB, "multipart_threshold": 5 * MiB, "backoff": 0.02, "retries": 2}
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Server]:
+    server = S3Server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def bucket(s3: S3Server) -> str:
+    return s3.new_bucket()
+
+
+def _uploads(s3: S3Server, bucket: str) -> list[dict[str, Any]]:
+    return s3.client().list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+
+
+class TestS3Contract(StorageContract):
+    large_size = 11 * MiB + 123  # three parts of 5 MiB
+
+    @pytest.fixture
+    def storage_factory(self, s3: S3Server, bucket: str):
+        return lambda: open_storage(f"s3://{bucket}/run", s3.options(**FAST))
+
+
+class TestS3BucketRoot(StorageContract):
+    """A root at the bucket itself: no prefix."""
+
+    large_size = 6 * MiB
+
+    @pytest.fixture
+    def storage_factory(self, s3: S3Server, bucket: str):
+        return lambda: open_storage(f"s3a://{bucket}", s3.options(**FAST))
+
+
+# ------------------------------------------------------------------- the plugin
+
+
+def test_s3_opens_the_plugin(s3: S3Server, bucket: str) -> None:
+    storage = open_storage(f"s3://{bucket}/a/b", s3.options())
+    try:
+        assert isinstance(storage, aiockpt_s3.S3Storage)
+        assert (storage.bucket, storage.prefix) == (bucket, "a/b")
+        assert storage.options == aiockpt_s3.S3Options()  # sensible defaults
+    finally:
+        storage.close()
+
+
+def test_bad_options_are_refused(s3: S3Server) -> None:
+    with pytest.raises(ValueError, match="part_size"):
+        open_storage("s3://b/x", s3.options(part_size=1024))
+    with pytest.raises(ValueError, match="concurrency"):
+        open_storage("s3://b/x", s3.options(concurrency=0))
+    with pytest.raises(ValueError, match="checksum"):
+        open_storage("s3://b/x", s3.options(checksum="md5"))
+    with pytest.raises(ValueError, match="no bucket"):
+        open_storage("s3:///x", s3.options())
+
+
+class _Recorder:
+    """Sees every request the server gets."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.requests: list[tuple[str, str, dict[str, str]]] = []
+        self.active = 0
+        self.peak = 0
+        self.release = threading.Event()
+
+    def __call__(self, environ: dict[str, Any]) -> None:
+        headers = {
+            k[5:].lower().replace("_", "-"): v for k, v in environ.items() if k[:5] == "HTTP_"
+        }
+        with self.lock:
+            self.requests.append(
+                (environ["REQUEST_METHOD"], environ.get("QUERY_STRING", ""), headers)
+            )
+        if is_upload_part(environ):
+            with self.lock:
+                self.active += 1
+                self.peak = max(self.peak, self.active)
+            # hold each part until several are in flight at once (or a little while passed)
+            self.release.wait(timeout=2)
+            with self.lock:
+                self.active -= 1
+                if self.active == 0:
+                    self.release.clear()
+
+    def parts(self) -> list[dict[str, str]]:
+        return [h for m, q, h in self.requests if m == "PUT" and "partNumber=" in q]
+
+
+def test_parts_go_up_concurrently_with_crc32c(s3: S3Server, bucket: str) -> None:
+    rec = _Recorder()
+
+    def hook(environ: dict[str, Any]) -> None:
+        rec(environ)
+        with rec.lock:
+            if rec.active >= 3:
+                rec.release.set()
+
+    s3.on_request = hook
+    storage = open_storage(f"s3://{bucket}/run", s3.options(**FAST, concurrency=3))
+    try:
+        data = bytearray(range(256)) * (64 * 1024)  # 16 MiB: four parts of 5 MiB
+        rec.requests.clear()
+        storage.write_file("shard.bin", [memoryview(data)])
+    finally:
+        s3.on_request = None
+        storage.close()
+    parts = rec.parts()
+    assert len(parts) == 4
+    assert rec.peak == 3  # the configured concurrency, reached and not exceeded
+    assert all("x-amz-checksum-crc32c" in h for h in parts)
+    obj = s3.client().get_object(Bucket=bucket, Key="run/shard.bin")["Body"].read()
+    assert obj == data
+    assert _uploads(s3, bucket) == []
+
+
+def test_small_files_are_single_puts(s3: S3Server, bucket: str) -> None:
+    rec = _Recorder()
+    s3.on_request = rec
+    storage = open_storage(f"s3://{bucket}/run", s3.options(**FAST))
+    try:
+        storage.write_file("small.bin", [memoryview(b"a" * 1000), memoryview(b"b" * 24)])
+        storage.put_atomic("manifest.json", b"{}")
+    finally:
+        s3.on_request = None
+        storage.close()
+    puts = [(q, h) for m, q, h in rec.requests if m in ("PUT", "POST")]
+    assert len(puts) == 2
+    assert all(q == "" for q, _ in puts)  # no ?uploads, no ?partNumber
+    assert all("x-amz-checksum-crc32c" in h for _, h in puts)
+
+
+def test_checksum_can_be_turned_off(s3: S3Server, bucket: str) -> None:
+    rec = _Recorder()
+    s3.on_request = rec
+    storage = open_storage(f"s3://{bucket}/run", s3.options(**FAST, checksum=None))
+    try:
+        storage.write_file("f.bin", [memoryview(b"x" * (6 * MiB))])
+        assert storage.read_range("f.bin", 0, 3) == b"xxx"
+    finally:
+        s3.on_request = None
+        storage.close()
+    assert not any("x-amz-checksum-crc32c" in h for _, _, h in rec.requests)
+
+
+def test_missing_bucket_is_named(s3: S3Server) -> None:
+    storage = open_storage("s3://no-such-bucket-here/run", s3.options(**FAST))
+    try:
+        for call in (
+            lambda: storage.list_dir(""),
+            lambda: storage.exists("step/manifest.json"),
+            lambda: storage.size("x"),
+            lambda: storage.write_file("x", [memoryview(b"x")]),
+            lambda: storage.write_file("big", [memoryview(bytearray(6 * MiB))]),
+        ):
+            with pytest.raises(StorageError) as info:
+                call()
+            assert "the bucket 'no-such-bucket-here' does not exist" in str(info.value)
+            assert info.value.errno == errno.ENOENT
+    finally:
+        storage.close()
+
+
+def test_throttling_and_5xx_are_retried(s3: S3Server, bucket: str) -> None:
+    failures = {"left": 4}
+    lock = threading.Lock()
+
+    def hook(environ: dict[str, Any]) -> None:
+        with lock:
+            if is_upload_part(environ) and failures["left"] > 0:
+                failures["left"] -= 1
+                raise ErrorReply(503 if failures["left"] % 2 else 500)
+
+    s3.on_request = hook
+    storage = open_storage(f"s3://{bucket}/run", s3.options(**{**FAST, "retries": 4}))
+    try:
+        data = bytes(range(256)) * (48 * 1024)  # 12 MiB, three parts
+        storage.write_file("retried.bin", [memoryview(data)])
+        assert storage.read_range("retried.bin", 0, len(data)) == data
+    finally:
+        s3.on_request = None
+        storage.close()
+    assert failures["left"] == 0
+
+
+def test_retries_are_bounded_and_the_upload_aborted(s3: S3Server, bucket: str) -> None:
+    def hook(environ: dict[str, Any]) -> None:
+        if is_upload_part(environ):
+            raise ErrorReply(503, code="SlowDown")
+
+    s3.on_request = hook
+    storage = open_storage(f"s3://{bucket}/run", s3.options(**FAST))
+    try:
+        buf = bytearray(12 * MiB)
+        view = memoryview(buf)
+        with pytest.raises(StorageError) as info:
+            storage.write_file("step_1/shard.bin", [view])
+        view.release()
+        buf.append(0)  # no view of the buffer outlives the failed write
+    finally:
+        s3.on_request = None
+        storage.close()
+    assert "s3://" + bucket + "/run/step_1/shard.bin" in str(info.value)
+    assert "after 3 attempts" in str(info.value)
+    assert _uploads(s3, bucket) == []
+
+
+# ------------------------------------------------------------------- the manager on S3
+
+
+def _state(n: int, seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(n, generator=g), "b": torch.arange(7), "step_info": {"lr": 0.1}}
+
+
+@pytest.mark.anyio
+async def test_manager_save_load_retention_on_s3(s3: S3Server, bucket: str) -> None:
+    options = s3.options(**FAST)
+    async with AsyncCheckpointManager(
+        f"s3://{bucket}/run", storage_options=options, retention=LatestN(2)
+    ) as mgr:
+        for step in (1, 2, 3):
+            await (await mgr.save(step, _state(2 * MiB, step)))  # 8 MiB: multipart
+        assert await mgr.steps() == [2, 3]
+        loaded = await mgr.load(3)
+        expected = _state(2 * MiB, 3)
+        assert torch.equal(loaded["w"], expected["w"])
+        assert torch.equal(loaded["b"], expected["b"])
+        assert loaded["step_info"] == {"lr": 0.1}
+    keys = {o["Key"] for o in s3.client().list_objects_v2(Bucket=bucket).get("Contents", [])}
+    assert {k.split("/")[1] for k in keys} == {"step_000000000002", "step_000000000003"}
+    assert _uploads(s3, bucket) == []
+
+
+@pytest.mark.anyio
+async def test_manager_on_a_missing_bucket_fails_clearly(s3: S3Server) -> None:
+    mgr = AsyncCheckpointManager(
+        "s3://no-such-bucket-at-all/run", storage_options=s3.options(**FAST)
+    )
+    with pytest.raises(Exception) as info:  # noqa: PT011 - at open or at the first save
+        async with mgr:
+            await (await mgr.save(1, _state(10, 1)))
+    assert "the bucket 'no-such-bucket-at-all' does not exist" in str(info.value)
+
+
+@pytest.mark.anyio
+async def test_server_down_in_the_middle_of_a_multipart_upload(s3: S3Server, bucket: str) -> None:
+    gate = Gate(s3.port)
+    seen = {"parts": 0}
+    lock = threading.Lock()
+
+    def hook(environ: dict[str, Any]) -> None:
+        if is_upload_part(environ):
+            with lock:
+                seen["parts"] += 1
+                if seen["parts"] == 2:  # the second part of the first save: the server stops
+                    gate.down()
+
+    options = s3.options(gate.endpoint, **{**FAST, "concurrency": 1})
+    try:
+        async with AsyncCheckpointManager(f"s3://{bucket}/run", storage_options=options) as mgr:
+            s3.on_request = hook
+            handle = await mgr.save(1, _state(4 * MiB, 1))  # 16 MiB, four parts
+            with pytest.raises(StorageError) as info:
+                await handle
+            s3.on_request = None
+            assert "step_000000000001/shard_r00000.safetensors" in str(info.value)
+            assert "after 3 attempts" in str(info.value)
+            # nothing committed; the part that got through is still held by the server
+            client = s3.client()
+            keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket).get("Contents", [])]
+            assert not any(k.endswith("manifest.json") for k in keys)
+            assert len(_uploads(s3, bucket)) == 1
+            gate.up()
+            # the next save, once the server is back, aborts what could not be aborted
+            await (await mgr.save(2, _state(4 * MiB, 2)))
+            assert _uploads(s3, bucket) == []
+            assert await mgr.steps() == [2]
+    finally:
+        s3.on_request = None
+        gate.down()
