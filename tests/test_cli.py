@@ -439,3 +439,35 @@ def test_any_fsspec_url_works_as_root(run):
     assert "tensor 'model/weight' crc32c mismatch" in r.stdout
     assert aiockpt("prune", url, *opts, "--keep-last", "1", "--yes").returncode == 0
     assert step_dirs(run) == [6]
+
+
+def test_show_and_verify_cover_every_rank_of_a_multi_rank_checkpoint(run):
+    # Make step 6 a two-rank checkpoint: rank 1's shard is a copy of rank 0's.
+    step_dir = os.path.join(run, fmt.step_dirname(6))
+    m = manifest_of(run, 6)
+    shutil.copy(shard(run, 6), os.path.join(step_dir, fmt.shard_filename(1)))
+    r0 = m["shards"][0]
+    m["world_size"] = 2
+    m["shards"].append({**r0, "file": fmt.shard_filename(1), "rank": 1})
+    m["tensors"][fmt.shard_filename(1)] = m["tensors"][fmt.shard_filename(0)]
+    m["trees"]["1"] = m["trees"]["0"]
+    with open(os.path.join(step_dir, fmt.MANIFEST), "w") as f:
+        json.dump(m, f)
+
+    show = aiockpt("show", run, "6")
+    assert show.returncode == 0, show.stderr
+    assert "world size 2" in show.stdout
+    for rank in (0, 1):
+        assert f"rank {rank}: tensors (3, " in show.stdout
+        assert f"rank {rank}: values" in show.stdout
+    assert aiockpt("verify", run, "6").returncode == 0
+
+    start, _ = m["tensors"][fmt.shard_filename(1)]["ids"]["byte_range"]
+    flip_byte(os.path.join(step_dir, fmt.shard_filename(1)), start)
+    r = aiockpt("verify", run, "6")
+    assert r.returncode == 1
+    assert r.stdout.splitlines() == [
+        "step 6: CORRUPT",
+        f"  {fmt.step_dirname(6)}/{fmt.shard_filename(1)}: whole-file crc32c mismatch",
+        f"  {fmt.step_dirname(6)}/{fmt.shard_filename(1)}: tensor 'ids' crc32c mismatch",
+    ]
