@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import reprlib
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,11 @@ ALIGN = 4096
 #: A header larger than this is refused before it is read (20k tensors need about 2 MiB).
 MAX_HEADER_BYTES = 256 * 1024 * 1024
 MAX_NDIM = 64
+#: Deepest nesting of a state tree. Saving and loading recurse (and pickle the tree across the
+#: pipe), so a deeper tree would end in RecursionError; 128 levels round-trip with room to spare.
+MAX_TREE_DEPTH = 128
+#: Deepest nesting of JSON in a manifest's metadata, for the same reason.
+MAX_METADATA_DEPTH = 64
 
 #: safetensors dtype name -> item size in bytes. The fixed list a checkpoint may use.
 DTYPE_SIZES: dict[str, int] = {
@@ -47,8 +53,10 @@ DTYPE_SIZES: dict[str, int] = {
     "F8_E5M2FNUZ": 1,
 }
 
-_STEP_DIR = re.compile(r"step_(\d{12})")
-_SHARD_FILE = re.compile(r"shard_r(\d{5})\.safetensors")
+# re.ASCII: without it \d also matches other scripts' digits, and int() accepts them, so a
+# name like "step_" + twelve Arabic-Indic digits would pass as a step directory.
+_STEP_DIR = re.compile(r"step_(\d{12})", re.ASCII)
+_SHARD_FILE = re.compile(r"shard_r(\d{5})\.safetensors", re.ASCII)
 
 
 def step_dirname(step: int) -> str:
@@ -113,7 +121,7 @@ def parse_header(head: bytes, file_size: int, *, path: str) -> tuple[int, dict[s
         raise CorruptCheckpointError(f"{path}: shard header length {n} is out of range", path=path)
     try:
         raw = json.loads(head[8 : 8 + n])
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"{path}: shard header is not JSON: {e}", path=path) from None
     if not isinstance(raw, dict):
         raise CorruptCheckpointError(f"{path}: shard header is not an object", path=path)
@@ -122,27 +130,50 @@ def parse_header(head: bytes, file_size: int, *, path: str) -> tuple[int, dict[s
     specs: dict[str, TensorSpec] = {}
     for name, entry in raw.items():
         if name == "__metadata__":
+            # safetensors defines it as a flat str -> str map.
+            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
+                raise CorruptCheckpointError(
+                    f"{path}: shard header __metadata__ is not a str -> str map", path=path
+                )
             continue
         specs[name] = _tensor_spec(name, entry, limit, path, offsets_key="data_offsets")
+    _check_disjoint(specs.values(), path)
     return data_start, specs
+
+
+def _check_disjoint(specs: Any, path: str) -> None:
+    """Refuse tensors whose byte ranges overlap: loaded views of them would alias each other."""
+    last_end, last_name = 0, None
+    for s in sorted(specs, key=lambda s: (s.start, s.end)):
+        if s.start < last_end:
+            raise CorruptCheckpointError(
+                f"{path}: tensors {last_name!r} and {s.name!r} overlap", path=path, key=s.name
+            )
+        if s.end > last_end:
+            last_end, last_name = s.end, s.name
 
 
 def _tensor_spec(name: Any, entry: Any, limit: int, path: str, *, offsets_key: str) -> TensorSpec:
     def bad(why: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{path}: tensor {name!r}: {why}", path=path, key=str(name))
+        return CorruptCheckpointError(
+            f"{path}: tensor {_short(name)}: {why}",
+            path=path,
+            key=name if isinstance(name, str) else None,
+        )
 
     if not isinstance(name, str) or not isinstance(entry, dict):
         raise bad("malformed entry")
     dtype = entry.get("dtype")
     if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
-        raise bad(f"unknown dtype {dtype!r}")
+        raise bad(f"unknown dtype {_short(dtype)}")
     shape = entry.get("shape")
     if (
         not isinstance(shape, list)
         or len(shape) > MAX_NDIM
-        or not all(type(d) is int and d >= 0 for d in shape)
+        # torch sizes are int64; a bound also keeps prod() off multi-thousand-digit ints.
+        or not all(type(d) is int and 0 <= d < 2**63 for d in shape)
     ):
-        raise bad(f"bad shape {shape!r}")
+        raise bad(f"bad shape {_short(shape)}")
     offsets = entry.get(offsets_key)
     if (
         not isinstance(offsets, list)
@@ -150,7 +181,7 @@ def _tensor_spec(name: Any, entry: Any, limit: int, path: str, *, offsets_key: s
         or not all(type(o) is int for o in offsets)
         or not 0 <= offsets[0] <= offsets[1] <= limit
     ):
-        raise bad(f"byte range {offsets!r} lies outside the file")
+        raise bad(f"byte range {_short(offsets)} lies outside the file")
     if math.prod(shape) * DTYPE_SIZES[dtype] != offsets[1] - offsets[0]:
         raise bad(f"shape {shape} of {dtype} does not match its {offsets[1] - offsets[0]} bytes")
     return TensorSpec(name, dtype, tuple(shape), offsets[0], offsets[1])
@@ -248,18 +279,19 @@ def parse_manifest(data: bytes, *, path: str, step: int | None = None) -> Manife
     if not isinstance(raw, dict):
         raise bad("manifest is not a JSON object")
     if raw.get("format") != FORMAT:
-        raise bad(f"not an aiockpt manifest (format {raw.get('format')!r})")
-    if raw.get("version") != VERSION:
-        raise bad(f"unsupported format version {raw.get('version')!r}")
+        raise bad(f"not an aiockpt manifest (format {_short(raw.get('format'))})")
+    version = raw.get("version")
+    if type(version) is not int or version != VERSION:  # not True or 1.0, which equal 1
+        raise bad(f"unsupported format version {_short(version)}")
     m_step = raw.get("step")
     if type(m_step) is not int or m_step < 0 or (step is not None and m_step != step):
-        raise bad(f"manifest step {m_step!r} does not match its directory")
+        raise bad(f"manifest step {_short(m_step)} does not match its directory")
     created = raw.get("created_at")
     if type(created) not in (int, float) or not math.isfinite(created):
         raise bad("bad created_at")
     world = raw.get("world_size")
     if type(world) is not int or not 1 <= world <= 1 << 20:
-        raise bad(f"bad world_size {world!r}")
+        raise bad(f"bad world_size {_short(world)}")
     shards_raw = raw.get("shards")
     if not isinstance(shards_raw, list) or len(shards_raw) != world:
         raise bad("the shards do not match the world size")
@@ -270,13 +302,13 @@ def parse_manifest(data: bytes, *, path: str, step: int | None = None) -> Manife
         f, r, nb, crc = s.get("file"), s.get("rank"), s.get("nbytes"), s.get("crc32c")
         m = _SHARD_FILE.fullmatch(f) if isinstance(f, str) else None
         if m is None:
-            raise bad(f"shard file name {f!r} is not a plain shard name")
+            raise bad(f"shard file name {_short(f)} is not a plain shard name")
         if type(r) is not int or r != int(m.group(1)) or not 0 <= r < world:
-            raise bad(f"shard {f}: bad rank {r!r}")
+            raise bad(f"shard {f}: bad rank {_short(r)}")
         if type(nb) is not int or nb < 8:
-            raise bad(f"shard {f}: bad size {nb!r}")
+            raise bad(f"shard {f}: bad size {_short(nb)}")
         if type(crc) is not int or not 0 <= crc < 2**32:
-            raise bad(f"shard {f}: bad crc32c {crc!r}")
+            raise bad(f"shard {f}: bad crc32c {_short(crc)}")
         shards.append(ShardRecord(f, r, nb, crc))
     sizes = {s.file: s.nbytes for s in shards}
     if len(sizes) != len(shards):
@@ -294,9 +326,12 @@ def parse_manifest(data: bytes, *, path: str, step: int | None = None) -> Manife
             crc = entry.get("crc32c")
             if type(crc) is not int or not 0 <= crc < 2**32:
                 raise CorruptCheckpointError(
-                    f"{path}: tensor {name!r}: bad crc32c", path=path, key=name
+                    f"{path}: tensor {_short(name)}: bad crc32c", path=path, key=name
                 )
             records[name] = TensorRecord(shard, spec.dtype, spec.shape, spec.start, spec.end, crc)
+        _check_disjoint(
+            (TensorSpec(n, r.dtype, r.shape, r.start, r.end) for n, r in records.items()), path
+        )
     trees_raw = raw.get("trees")
     if not isinstance(trees_raw, dict) or set(trees_raw) != {str(s.rank) for s in shards}:
         raise bad("trees must map each rank to its state tree")
@@ -305,6 +340,12 @@ def parse_manifest(data: bytes, *, path: str, step: int | None = None) -> Manife
     metadata = raw.get("metadata", {})
     if not isinstance(metrics, dict) or not isinstance(metadata, dict):
         raise bad("metrics and metadata must be objects")
+    for k, v in metrics.items():
+        if not _is_metric(v):
+            raise bad(f"metric {k!r} is not a number")
+    if _json_depth(metadata) > MAX_METADATA_DEPTH:
+        # It is pickled to the trainer on load; too deep a value would fail there instead.
+        raise bad(f"metadata nested deeper than {MAX_METADATA_DEPTH} levels")
     return Manifest(m_step, float(created), world, shards, tensors, trees, metrics, metadata)
 
 
@@ -325,6 +366,44 @@ def tensors_json(specs: list[TensorSpec], data_start: int, crcs: list[int]) -> s
     )
 
 
+def _short(value: Any) -> str:
+    """A bounded repr of an untrusted value for an error message (never the whole of it)."""
+    return _REPR.repr(value)
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 80
+_REPR.maxlong = 40
+
+
+def _is_metric(v: Any) -> bool:
+    """What ``save(metrics=...)`` writes: a float-convertible number, or a non-finite marker."""
+    if isinstance(v, str):
+        return v in ("nan", "inf", "-inf")
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        float(v)  # retention compares metrics as floats; a 400-digit int would overflow there
+    except OverflowError:
+        return False
+    return True
+
+
+def _json_depth(value: Any) -> int:
+    """Nesting depth of a JSON value, iteratively (a recursive walk could itself overflow)."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            node = list(node.values())
+        if isinstance(node, list):
+            deepest = max(deepest, depth + 1)
+            if deepest > MAX_METADATA_DEPTH:
+                break
+            stack.extend((child, depth + 1) for child in node)
+    return deepest
+
+
 def check_tree(tree: Any, tensor_names: set[str], *, path: str) -> None:
     """Validate an untrusted tree from a manifest; every tensor reference must exist."""
 
@@ -334,14 +413,16 @@ def check_tree(tree: Any, tensor_names: set[str], *, path: str) -> None:
     stack = [(tree, 0)]
     while stack:
         node, depth = stack.pop()
-        if depth > 1000:
-            raise bad("nested too deeply")
+        if depth > MAX_TREE_DEPTH:
+            # Loading recurses over the tree and pickles it to the trainer: bound it here.
+            raise bad(f"nested deeper than {MAX_TREE_DEPTH} levels")
         if not isinstance(node, dict) or len(node) != 1:
-            raise bad(f"node {str(node)[:80]!r}")
+            raise bad(f"node {_short(node)}")
         ((tag, body),) = node.items()
         if tag == "T":
-            if body not in tensor_names:
-                raise bad(f"reference to unknown tensor {str(body)[:80]!r}")
+            # isinstance first: a list or dict body is unhashable and `in` would raise TypeError.
+            if not isinstance(body, str) or body not in tensor_names:
+                raise bad(f"reference to unknown tensor {_short(body)}")
         elif tag == "D":
             if not isinstance(body, list):
                 raise bad("dict body is not a list")
@@ -367,4 +448,4 @@ def check_tree(tree: Any, tensor_names: set[str], *, path: str) -> None:
             if body not in ("nan", "inf", "-inf"):
                 raise bad("bad float")
         else:
-            raise bad(f"unknown tag {tag!r}")
+            raise bad(f"unknown tag {_short(tag)}")
