@@ -21,6 +21,8 @@ _EXPORTS = {
     "EveryNSteps": ".retention",
     "LatestN": ".retention",
     "Event": ".events",
+    "JsonLinesHandler": ".events",
+    "ScopeTracker": ".events",
     "CheckpointError": ".errors",
     "CheckpointNotFoundError": ".errors",
     "CorruptCheckpointError": ".errors",
@@ -41,8 +43,10 @@ __all__ = [
     "Event",
     "EveryNSeconds",
     "EveryNSteps",
+    "JsonLinesHandler",
     "LatestN",
     "SaveHandle",
+    "ScopeTracker",
     "StorageError",
     "UnsupportedValueError",
 ]
@@ -57,7 +61,7 @@ if TYPE_CHECKING:
         StorageError,
         UnsupportedValueError,
     )
-    from .events import Event
+    from .events import Event, JsonLinesHandler, ScopeTracker
     from .retention import AnyOf, BestN, EveryNSeconds, EveryNSteps, LatestN
 
 

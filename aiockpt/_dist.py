@@ -42,6 +42,11 @@ def resolve_group(process_group: Any) -> Group | None:
         if process_group is not None:
             raise ValueError("process_group was given but torch.distributed is not initialized")
         return None
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(
+            f"process_group must be a torch.distributed ProcessGroup, not "
+            f"{type(process_group).__name__}"
+        )
     pg = process_group if process_group is not None else dist.group.WORLD
     world = dist.get_world_size(pg)
     rank = dist.get_rank(pg)

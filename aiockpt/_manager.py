@@ -44,6 +44,7 @@ from .errors import (
     CheckpointError,
     CorruptCheckpointError,
     DaemonDiedError,
+    DaemonError,
     DaemonStartError,
     InvalidStepError,
     ManagerClosedError,
@@ -113,6 +114,7 @@ class _Daemon:
         self.alive = True
         self.layouts_sent: set[int] = set()
         self.stopping = False
+        self.reader_done = anyio.Event()
 
 
 class AsyncCheckpointManager:
@@ -242,6 +244,8 @@ class AsyncCheckpointManager:
             with anyio.CancelScope(shield=True):
                 await self._stop_daemon()
             await self._shutdown()
+            for handle in list(self._pending.values()):
+                self._fail(handle, DaemonError("the manager closed before this save committed"))
             self.events.close()  # an operation the daemon never answered still ends
 
     async def _drain(self) -> None:
@@ -259,6 +263,9 @@ class AsyncCheckpointManager:
             if code is None:
                 d.proc.kill()
                 await anyio.to_thread.run_sync(d.proc.wait)
+            # Its last replies are in the pipe: let the reader deliver them before we go.
+            with anyio.move_on_after(10):
+                await d.reader_done.wait()
         if d is not None:
             d.chan.close()
 
@@ -386,7 +393,10 @@ class AsyncCheckpointManager:
                     slot[0].set()
             elif isinstance(msg, EventMsg):
                 self.events.emit(msg.name, uuid=msg.uuid, step=msg.step, **msg.fields)
-        await self._daemon_gone(d)
+        try:
+            await self._daemon_gone(d)
+        finally:
+            d.reader_done.set()
 
     async def _daemon_gone(self, d: _Daemon) -> None:
         d.alive = False
@@ -598,12 +608,12 @@ class AsyncCheckpointManager:
         """The state saved at ``step`` (latest committed when None). With ``into``, restore in
         place into its tensors and stateful objects and return it."""
         self._check_open()
-        if step is not None:
-            self._check_load_step(step)
         op = uuid_mod.uuid4().hex
         t0 = time.monotonic()
         self.events.emit("load.start", uuid=op, step=step)
         try:
+            if step is not None:
+                self._check_load_step(step)
             reply = await self._request(
                 "load", step=step, rank=self.rank, world_size=self.world_size
             )
@@ -643,21 +653,25 @@ def _wait_process(proc: subprocess.Popen, timeout: float) -> int | None:
 def _check_policy(policy: Any) -> RetentionPolicy | None:
     if policy is None:
         return None
-    if not isinstance(policy, RetentionPolicy):
-        raise TypeError(
-            f"retention must be a policy with a keep() method, not {type(policy).__name__}"
-        )
+    if isinstance(policy, type) or not isinstance(policy, RetentionPolicy):
+        what = f"the class {policy.__name__}" if isinstance(policy, type) else type(policy).__name__
+        raise TypeError(f"retention must be a policy with a keep() method, not {what}")
     try:
-        data = pickle.dumps(policy)
+        pickle.dumps(policy)
     except Exception as e:
         raise TypeError(
             f"the retention policy {policy!r} cannot be sent to the daemon: {e}"
         ) from None
-    if b"__main__" in data:
-        raise TypeError(
-            f"the retention policy {policy!r} is defined in __main__, which the daemon does not "
-            "import; define it in an importable module"
-        )
+    # Pickle finds classes by module: the daemon never imports the trainer's __main__.
+    stack = [policy]
+    while stack:
+        p = stack.pop()
+        if type(p).__module__ == "__main__":
+            raise TypeError(
+                f"the retention policy {p!r} is defined in __main__, which the daemon does not "
+                "import; define it in an importable module"
+            )
+        stack.extend(getattr(p, "policies", ()))
     return policy
 
 

@@ -476,10 +476,6 @@ def test_not_a_policy_is_refused_at_construction(bad):
         AsyncCheckpointManager("unused", retention=bad)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_manager._check_policy accepts a policy class for an instance (the class has keep)",
-)
 def test_a_policy_class_instead_of_an_instance_is_refused_at_construction():
     with pytest.raises(TypeError, match="retention must be a policy"):
         AsyncCheckpointManager("unused", retention=LatestN)
