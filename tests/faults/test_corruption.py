@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -38,6 +40,18 @@ def flip(path: str, offset: int) -> None:
         f.write(bytes([byte[0] ^ 0x01]))  # one bit is enough
 
 
+def verify_cli(root: str) -> tuple[int, str]:
+    """`aiockpt verify ROOT` in its own process: (exit code, stdout)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "aiockpt.cli", "verify", root],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    return out.returncode, out.stdout
+
+
 @pytest.mark.parametrize("seed", range(6))
 async def test_one_flipped_byte_names_file_and_tensor(root, seed):
     """Flip one bit at a random offset inside some tensor's bytes: load refuses with the shard's
@@ -61,6 +75,10 @@ async def test_one_flipped_byte_names_file_and_tensor(root, seed):
         with pytest.raises(CorruptCheckpointError):
             await mgr.load(1, into=state())  # restoring in place refuses too, touching nothing
         assert torch.equal((await mgr.load(2))["model"]["w"], state()["model"]["w"])
+    code, out = verify_cli(root)
+    assert code == 1
+    assert f"step_000000000001/{SHARD}: tensor {name!r} crc32c mismatch" in out
+    assert "step 2: ok" in out
 
 
 async def test_flipped_header_byte_is_caught_by_the_shard_crc(root):
@@ -75,6 +93,15 @@ async def test_flipped_header_byte_is_caught_by_the_shard_crc(root):
     assert torch.equal(out["model"]["w"], state()["model"]["w"])
     with pytest.raises(AssertionError, match=SHARD):
         verify_checkpoint(root, 1)
+    code, out = verify_cli(root)
+    assert code == 1
+    assert "whole-file crc32c mismatch" in out
+
+
+async def test_verify_passes_intact_checkpoints(root):
+    async with AsyncCheckpointManager(root) as mgr:
+        await (await mgr.save(1, state()))
+    assert verify_cli(root)[0] == 0
 
 
 async def test_missing_manifest_means_not_committed(root):
