@@ -10,8 +10,9 @@ Why storage and not a gloo group of the daemons' own: nothing to rendezvous (no 
 no MASTER_PORT inherited from the trainer to collide with), nothing that outlives the trainers'
 process group, and a dead peer costs a bounded wait instead of a hung collective. The files are
 named by the save's uuid, agreed by all ranks in ``save()``, so a retried step never sees a
-stale marker. They live in the step directory, start with a dot, and rank 0 removes the parts
-after the commit.
+stale marker. They live in the step directory and start with a dot. Rank 0 removes the parts
+after the commit and, once its retention pass is over, leaves an empty *done* marker: the
+other ranks resolve on that, so ``steps()`` is exact on every rank when its handle resolves.
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ def failed_name(uuid: str, rank: int) -> str:
 
 def abort_name(uuid: str) -> str:
     return f".{uuid}.abort"
+
+
+def done_name(uuid: str) -> str:
+    return f".{uuid}.done"
 
 
 def merge(
@@ -164,13 +169,20 @@ class Coordinator:
             raise DistributedSaveError(msg, ranks=bad)
         return [Part.decode(self._read(f"{step_dir}/{n}")) for n in wanted]
 
+    def finished(self, step: int, uuid: str) -> None:
+        """Rank 0: the commit and its retention pass are over; the other ranks may resolve."""
+        self.storage.put_atomic(f"{fmt.step_dirname(step)}/{done_name(uuid)}", b"")
+
     def _await_commit(self, step: int, uuid: str, deadline: float) -> float:
         step_dir = fmt.step_dirname(step)
         manifest = f"{step_dir}/{fmt.MANIFEST}"
+        done = f"{step_dir}/{done_name(uuid)}"
         abort = f"{step_dir}/{abort_name(uuid)}"
 
         def check():
-            if self.storage.exists(manifest):
+            # Waiting for rank 0's "done" rather than the manifest makes steps() exact on
+            # every rank once its handle resolves: retention has run by then.
+            if self.storage.exists(done):
                 return ("ok", None)
             if self.storage.exists(abort):
                 return ("abort", json.loads(self._read_text(abort)))
@@ -179,6 +191,8 @@ class Coordinator:
         try:
             state, body = self._poll(check, deadline)
         except TimeoutError:
+            if self.storage.exists(manifest):
+                return time.time()  # committed; rank 0 died before its retention pass ended
             msg = f"step {step}: rank 0 did not commit within {self.timeout} s"
             raise DistributedSaveError(msg, ranks=[0]) from None
         if state == "abort":

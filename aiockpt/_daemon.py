@@ -37,7 +37,7 @@ from ._channel import (
     Stop,
 )
 from ._coord import Coordinator, Part, merge
-from ._shm import Segment, unlink
+from ._shm import Segment, trainer_segments, unlink
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -267,6 +267,8 @@ class Daemon:
                 "metrics": req.metrics,
             }
             deleted, error = self.apply_retention(req.uuid, req.step)
+            if self.coord is not None and self.cfg.rank == 0:
+                self.coord.finished(req.step, req.uuid)  # the others' handles resolve now
             self.send(SaveDone(req.uuid, info=info, deleted=tuple(deleted), error=error))
         except BaseException as e:
             if not slab_free:
@@ -334,11 +336,13 @@ class Daemon:
     def read_loop(self) -> None:
         while (req := self.read_q.get()) is not None:
             try:
-                value = getattr(self, f"op_{req.op}")(**req.args)
+                reply = Reply(req.id, value=getattr(self, f"op_{req.op}")(**req.args))
             except BaseException as e:
+                reply = Reply(req.id, error=remote_error(e))
+            try:
+                self.send(reply)
+            except Exception as e:  # e.g. a reply that cannot be pickled: never hang the caller
                 self.send(Reply(req.id, error=remote_error(e)))
-            else:
-                self.send(Reply(req.id, value=value))
 
     def op_steps(self) -> list[int]:
         return self.committed_steps()
@@ -400,6 +404,8 @@ class Daemon:
         records = m.tensors[shard.file]
         path = f"{fmt.step_dirname(step)}/{shard.file}"
         where = f"{self.storage.url.rstrip('/')}/{path}"
+        if not self.storage.exists(path):
+            raise CorruptCheckpointError(f"{where}: the shard is missing", path=where)
         actual = self.storage.size(path)
         if actual != shard.nbytes:
             raise CorruptCheckpointError(
@@ -474,8 +480,11 @@ class Daemon:
         for seg in self.slabs.values():
             seg.close()
         if trainer_gone:
-            # Nobody else will unlink the trainer's slabs now.
+            # Nobody else will unlink the trainer's segments now: those we attached, and any
+            # it was still filling (never announced to us), found by the creator's pid.
             for name in self.slabs:
+                unlink(name)
+            for name in trainer_segments(self.cfg.trainer_pid):
                 unlink(name)
         for name in self.load_segments:
             unlink(name)

@@ -65,6 +65,15 @@ class Segment:
         unlink(self.name)
 
 
+def trainer_segments(pid: int) -> list[str]:
+    """Names of the segments process ``pid`` created (Linux shows them in /dev/shm)."""
+    prefix = f"{PREFIX}-{pid}-"
+    try:
+        return [f"/{n}" for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+    except OSError:
+        return []
+
+
 def unlink(name: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         _posixshmem.shm_unlink(name)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ._format import MAX_TREE_DEPTH
 from .errors import LoadMismatchError, UnsupportedValueError
 
 #: torch dtype <-> safetensors dtype name.
@@ -83,7 +84,7 @@ def flatten(state: Any) -> Flat:
     seen: set[str] = set()
     active: set[int] = set()
 
-    def walk(value: Any, path: str) -> Any:
+    def walk(value: Any, path: str, depth: int = 0) -> Any:
         if isinstance(value, torch.Tensor):
             return {"T": add_tensor(value, path)}
         if value is None or isinstance(value, (bool, int, str)):
@@ -96,21 +97,28 @@ def flatten(state: Any) -> Flat:
             return {"F": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
         if id(value) in active:
             raise UnsupportedValueError(path, "the state contains a reference cycle")
+        if depth >= MAX_TREE_DEPTH:
+            raise UnsupportedValueError(
+                path, f"the state nests deeper than {MAX_TREE_DEPTH} levels"
+            )
         active.add(id(value))
         try:
             if isinstance(value, Mapping):
                 return {
-                    "D": [[check_key(k, path), walk(v, _path(path, k))] for k, v in value.items()]
+                    "D": [
+                        [check_key(k, path), walk(v, _path(path, k), depth + 1)]
+                        for k, v in value.items()
+                    ]
                 }
             if isinstance(value, list):
-                return {"L": [walk(v, _path(path, i)) for i, v in enumerate(value)]}
+                return {"L": [walk(v, _path(path, i), depth + 1) for i, v in enumerate(value)]}
             if isinstance(value, tuple):
-                return {"U": [walk(v, _path(path, i)) for i, v in enumerate(value)]}
+                return {"U": [walk(v, _path(path, i), depth + 1) for i, v in enumerate(value)]}
             if is_stateful(value):
                 sd = value.state_dict()
                 if not isinstance(sd, Mapping):
                     raise UnsupportedValueError(path, "state_dict() did not return a mapping")
-                return {"S": walk(sd, path)}
+                return {"S": walk(sd, path, depth + 1)}
         finally:
             active.discard(id(value))
         raise UnsupportedValueError(

@@ -50,9 +50,14 @@ def test_every_rank_saves_and_loads_its_own_state(tmp_path, world):
     assert [s["file"] for s in manifest["shards"]] == [
         f"shard_r{r:05d}.safetensors" for r in range(world)
     ]
-    assert sorted(os.listdir(os.path.join(root, "step_000000000002"))) == sorted(
+    names = os.listdir(os.path.join(root, "step_000000000002"))
+    # the parts are gone after the commit; an empty "done" marker stays
+    assert sorted(n for n in names if not n.startswith(".")) == sorted(
         ["manifest.json"] + [f"shard_r{r:05d}.safetensors" for r in range(world)]
-    )  # coordination files are gone after the commit
+    )
+    dotted = [n for n in names if n.startswith(".")]
+    assert len(dotted) == 1
+    assert dotted[0].endswith(".done")
 
 
 def test_killed_daemon_on_one_rank_fails_every_rank_quickly(tmp_path):
@@ -91,3 +96,26 @@ async def test_replicated_state_loads_on_another_world_size(tmp_path):
         assert out["step"] == 5
         with pytest.raises(CheckpointError, match="differ between ranks.*own"):
             await mgr.load(6)
+
+
+def test_torchrun_example_saves_stops_and_resumes(tmp_path):
+    """examples/torchrun_trainer.py under torchrun with two gloo ranks, run twice."""
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "torchrun_trainer.py")
+    root = str(tmp_path / "ddp")
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    outputs = []
+    for steps in (20, 40):
+        done = subprocess.run(
+            [*cmd, example, "--root", root, "--steps", str(steps)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=150,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        outputs.append(done.stdout)
+    assert "RESUMED" not in outputs[0]
+    assert "[rank 0/2] RESUMED from step 20" in outputs[1]
+    assert "[rank 1/2] RESUMED from step 20" in outputs[1]
+    assert "[rank 1] committed steps: [30, 40]" in outputs[1]

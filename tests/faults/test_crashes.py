@@ -124,12 +124,6 @@ async def test_trainer_sigkilled_mid_staging(root):
     assert not os.path.exists(step_dir(root, 2))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug: a slab the trainer created but never sent is unknown to the daemon, "
-    "which unlinks only the slabs it attached (Daemon.serve); fix: on trainer death also "
-    "unlink /dev/shm/aiockpt-<trainer_pid>-*",
-)
 async def test_trainer_sigkilled_mid_staging_leaves_no_shared_memory(root):
     """The slab being filled when the trainer died is unlinked (by the daemon, the only
     process of the run left); otherwise every preemption leaks a state-sized segment of RAM."""

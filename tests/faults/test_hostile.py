@@ -474,11 +474,6 @@ async def test_deepest_allowed_state_round_trips(root):
 
 
 @pytest.mark.anyio
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug: flatten (aiockpt/_state.py) accepts any depth, and pickling the tree to "
-    "the daemon then raises RecursionError; it should refuse depth > _format.MAX_TREE_DEPTH",
-)
 async def test_too_deep_state_is_refused_at_save(root):
     """A state deeper than loading accepts is refused when saved, naming the limit."""
     state: Any = {"t": torch.zeros(1)}
@@ -490,11 +485,6 @@ async def test_too_deep_state_is_refused_at_save(root):
 
 
 @pytest.mark.anyio
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug: Daemon.op_load lets storage.size() raise StorageError(ENOENT) for a "
-    "shard its manifest names; a committed checkpoint missing a shard is corrupt",
-)
 async def test_missing_shard_is_corrupt(pristine, tmp_path):
     root = copy_checkpoint(pristine[0], str(tmp_path / "run"))
     os.unlink(os.path.join(step_dir(root, 1), SHARD))
