@@ -7,12 +7,20 @@ python examples/async_trainer.py --root checkpoints/demo --steps 60             
 from __future__ import annotations
 
 import argparse
+import statistics
+import sys
 import time
 
 import anyio
 import torch
 
 from aiockpt import AsyncCheckpointManager, EveryNSteps, LatestN
+
+
+def progress(step: int, steps: int, loss: float, width: int = 24) -> str:
+    """A one-line progress bar: where training is and its latest loss."""
+    done = width * step // steps
+    return f"[{'#' * done}{'.' * (width - done)}] step {step:4d}/{steps}  loss {loss:.4f}"
 
 
 def make_model() -> torch.nn.Module:
@@ -36,6 +44,9 @@ async def train(root: str, steps: int, stop_at: int | None, save_every: int) -> 
         else:
             print(f"starting fresh in {root}")
         pending = []
+        stalls: list[float] = []
+        commits: list[float] = []
+        live = sys.stdout.isatty()  # redraw one bar on a terminal; plain lines in a log
         for step in range(start + 1, steps + 1):
             x = torch.randn(64, 32)
             y = x @ true_w + 0.01 * torch.randn(64, 1)
@@ -48,23 +59,40 @@ async def train(root: str, steps: int, stop_at: int | None, save_every: int) -> 
                 t0 = time.perf_counter()
                 handle = await mgr.save(step, state, metrics={"loss": loss.item()})
                 stall = time.perf_counter() - t0
+                stalls.append(stall)
                 pending.append((handle, t0, stall))
+            if live:
+                print("\r" + progress(step, steps, loss.item()), end="", flush=True)
             for handle, t0, stall in [p for p in pending if p[0].done()]:
                 info = await handle
-                commit_ms = (time.perf_counter() - t0) * 1e3
+                commit = time.perf_counter() - t0
+                commits.append(commit)
                 print(
-                    f"step {info.step:4d}  loss {info.metrics['loss']:.4f}  "
-                    f"stall {stall * 1e3:6.2f} ms  committed after {commit_ms:7.1f} ms"
+                    ("\r" if live else "")
+                    + f"{progress(info.step, steps, info.metrics['loss'])}  saved: "
+                    f"stall {stall * 1e3:6.2f} ms, committed after {commit * 1e3:6.1f} ms"
                 )
                 pending.remove((handle, t0, stall))
-            await anyio.sleep(0)  # a real trainer awaits data here; saves progress meanwhile
+            await anyio.sleep(0.005)  # a real trainer awaits its next batch here; saves go on
             if stop_at is not None and step >= stop_at:
                 print(f"stopping at step {step} (as if preempted)")
                 break
+        if live:
+            print()
         await mgr.wait()
-        for handle, _, stall in pending:
+        for handle, t0, stall in pending:
             info = await handle
-            print(f"step {info.step:4d}  stall {stall * 1e3:6.2f} ms  committed")
+            print(
+                f"{progress(info.step, steps, info.metrics['loss'])}  saved: "
+                f"stall {stall * 1e3:6.2f} ms, committed within "
+                f"{(time.perf_counter() - t0) * 1e3:6.1f} ms (awaited at the end)"
+            )
+        if stalls:
+            print(
+                f"{len(stalls)} saves: median stall {statistics.median(stalls) * 1e3:.2f} ms, "
+                f"median time to commit {statistics.median(commits or [0.0]) * 1e3:.1f} ms "
+                "(training went on meanwhile)"
+            )
         print(f"committed checkpoints: {await mgr.steps()}")
 
 
