@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -106,12 +107,16 @@ async def run(scenarios: list[str], repeats: int, directory: str) -> None:
         best = {k: min(r[k] for r in results) for k in ("stall", "durable")}
         med = {k: statistics.median(r[k] for r in results) for k in results[0]}
         rows.append((label, memcpy, raw, best, med, idle))
-        import shutil
-
         shutil.rmtree(root, ignore_errors=True)
+    header = ("scenario", "memcpy s", "stall s", "stall/memcpy", "write+fsync s", "durable s")
+    header += ("durable/raw", "cpu share", "loop rate")
+    widths = (24, 9, 9, 13, 14, 10, 12, 10, 10)
     print(
-        f"\n{'scenario':<24}{'memcpy s':>9}{'stall s':>9}{'stall/memcpy':>13}"
-        f"{'write+fsync s':>14}{'durable s':>10}{'durable/raw':>12}{'cpu share':>10}{'loop rate':>10}"
+        "\n"
+        + "".join(
+            f"{h:<{w}}" if i == 0 else f"{h:>{w}}"
+            for i, (h, w) in enumerate(zip(header, widths, strict=True))
+        )
     )
     for label, memcpy, raw, best, med, idle in rows:
         print(
