@@ -29,6 +29,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import resource
 import shutil
 import signal
@@ -474,13 +475,22 @@ def run_contender(
         result = json.loads(Path(out).read_text())
         result.update(status="ok", elapsed_s=elapsed)
         return result
-    tail = log.decode(errors="replace").strip().splitlines()[-6:]
     why = (
         f"exceeded the {args.timeout:.0f} s limit"
         if status == "timeout"
-        else f"exit code {proc.returncode}: " + " | ".join(tail)[-600:]
+        else f"exit code {proc.returncode}: {last_error(log.decode(errors='replace'))}"
     )
     return {"status": status, "why": why, "elapsed_s": elapsed}
+
+
+def last_error(log: str) -> str:
+    """The last exception line of a worker's output, without machine-specific paths."""
+    lines = [ln.split("]:", 1)[-1].strip() for ln in log.strip().splitlines()]
+    errors = [ln for ln in lines if re.match(r"[\w.]+(Error|Exception)\b", ln)]
+    text = (errors or lines or ["no output"])[-1]
+    for prefix in (str(REPO), sys.prefix, tempfile.gettempdir()):
+        text = text.replace(prefix, "…")
+    return text[:300]
 
 
 def machine_info() -> dict[str, Any]:
@@ -594,7 +604,8 @@ def markdown(report: dict[str, Any]) -> str:
         ]
         for c, r in sc["contenders"].items():
             if r["status"] != "ok":
-                lines.append(f"| {LABELS[c]} | {r['status']}: {r['why']} ||||||")
+                why = r["why"].replace("<", "&lt;")  # an error text is not HTML
+                lines.append(f"| {LABELS[c]} | {r['status']}: {why} ||||||")
                 continue
             helpers = r.get("helpers_peak_rss_mib")
             lines.append(
@@ -622,9 +633,11 @@ def markdown(report: dict[str, Any]) -> str:
     for t in report["targets"]:
         mark = {True: "met", False: "**missed**", None: "not measured"}[t["met"]]
         sign = "≥" if t["higher_is_better"] else "≤"
-        note = f" ({t['note']})" if t["note"] else ""
+        note = f" ({t['note']})".replace("<", "&lt;") if t["note"] else ""
+        digits = 3 if "margin" in t["target"] else 2
         lines.append(
-            f"| {t['target']} | {fmt_f(t['value'])} | {sign} {t['limit']:g} | {mark}{note} |"
+            f"| {t['target']} | {fmt_f(t['value'], digits)} | {sign} {t['limit']:g} "
+            f"| {mark}{note} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -663,7 +676,7 @@ def plot(report: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-def update_doc(doc: str, table: str) -> None:
+def update_doc_page(doc: str, table: str) -> None:
     """Replace the results region of the performance page with this run's table."""
     start, end = "<!-- results:start -->", "<!-- results:end -->"
     text = Path(doc).read_text()
@@ -674,7 +687,32 @@ def update_doc(doc: str, table: str) -> None:
     Path(doc).write_text(f"{head}{start}\n{table}{end}{tail}")
 
 
+def publish(report: dict[str, Any], out_dir: Path, update_doc: str | None) -> None:
+    """Print the table; write the JSON and the plot; optionally update the docs page."""
+    res = {k: v["contenders"] for k, v in report["scenarios"].items()}
+    report["targets"] = targets(res)
+    md = markdown(report)
+    print()
+    print(md)
+    caches = report["config"].get("page_cache_before_loads") or ["no loads measured"]
+    print(f"page cache before loads: {', '.join(caches)}")
+    json_path = out_dir / "performance.json"
+    png_path = out_dir / "performance.png"
+    json_path.write_text(json.dumps(report, indent=1) + "\n")
+    plot(report, str(png_path))
+    print(f"wrote {json_path} and {png_path}")
+    if update_doc:
+        update_doc_page(update_doc, md)
+        print(f"updated {update_doc}")
+
+
 def driver_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if args.render:
+        # Re-render a finished run (table, plot, page) without measuring again.
+        report = json.loads(Path(args.render).read_text())
+        out_dir = Path(args.out_dir or Path(args.render).parent)
+        publish(report, out_dir, args.update_doc)
+        return
     table = QUICK if args.quick else SCENARIOS
     keys = args.scenarios.split(",") if args.scenarios else list(table)
     contenders = args.contenders.split(",")
@@ -729,20 +767,8 @@ def driver_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
         if r.get("cache")
     }
     report["config"]["page_cache_before_loads"] = sorted(caches)
-    res = {k: v["contenders"] for k, v in report["scenarios"].items()}
-    report["targets"] = targets(res)
-    md = markdown(report)
-    print()
-    print(md)
-    print(f"page cache before loads: {', '.join(sorted(caches)) or 'no loads measured'}")
-    json_path = out_dir / "performance.json"
-    png_path = out_dir / "performance.png"
-    json_path.write_text(json.dumps(report, indent=1) + "\n")
-    plot(report, str(png_path))
-    print(f"wrote {json_path} and {png_path} in {report['elapsed_s']:.0f} s")
-    if args.update_doc:
-        update_doc(args.update_doc, md)
-        print(f"updated {args.update_doc}")
+    print(f"measured in {report['elapsed_s']:.0f} s")
+    publish(report, out_dir, args.update_doc)
 
 
 def main() -> None:
@@ -766,6 +792,7 @@ def main() -> None:
     )
     p.add_argument("--idle", type=float, default=None, help="idle window for the loop rate, s")
     p.add_argument("--update-doc", default=None, help="rewrite this page's results region")
+    p.add_argument("--render", default=None, help="re-render this JSON of a finished run")
     # Internal: one contender in this process.
     p.add_argument("--worker", choices=CONTENDERS, help=argparse.SUPPRESS)
     p.add_argument("--worker-scenario", help=argparse.SUPPRESS)
