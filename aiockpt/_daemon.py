@@ -47,6 +47,8 @@ from .errors import (
 )
 from .retention import CheckpointRecord, select_deletions
 
+#: Loads read this much at a time, checksumming what was read while the next chunk comes.
+LOAD_CHUNK = 64 * 1024 * 1024
 #: A manifest larger than this is refused before it is read.
 MAX_MANIFEST_BYTES = 1 << 30
 
@@ -365,6 +367,17 @@ class Daemon:
             self.coord.publish_failure(step, uuid, message)
 
     @staticmethod
+    def _check_crcs(
+        seg: Segment, items: list[tuple[str, fmt.TensorRecord]], lo: int, where: str
+    ) -> None:
+        for name, r in items:
+            with seg.buf[r.start - lo : r.end - lo] as view:
+                if crc(view) != r.crc32c:
+                    raise CorruptCheckpointError(
+                        f"{where}: tensor {name!r} failed its crc32c check", path=where, key=name
+                    )
+
+    @staticmethod
     def check_replicated(m: fmt.Manifest, world_size: int) -> None:
         """On another world size only state that every rank saved identically can be loaded."""
         first = m.tensors[m.shard_of(0).file]
@@ -385,7 +398,15 @@ class Daemon:
                 f"identically, such as DDP-replicated weights, can be): {shown}"
             )
 
-    def op_load(self, step: int | None, rank: int, world_size: int = 1) -> dict[str, Any]:
+    def op_load(
+        self,
+        step: int | None,
+        rank: int,
+        world_size: int = 1,
+        slab: tuple[str, int] | None = None,
+    ) -> dict[str, Any]:
+        """Read and verify a rank's tensors into shared memory: into the trainer's ``slab``
+        when given and large enough, else into a new segment the trainer takes over."""
         steps = self.committed_steps()
         if not steps:
             raise CheckpointNotFoundError(f"no committed checkpoint in {self.storage.url}")
@@ -414,30 +435,42 @@ class Daemon:
         fmt.check_tree(m.trees[rank], set(records), path=where)
         lo = min((r.start for r in records.values()), default=0)
         hi = max((r.end for r in records.values()), default=0)
-        seg = Segment.create(hi - lo, kind="load")
-        self.load_segments.add(seg.name)
+        pooled = slab is not None and slab[1] >= hi - lo
+        if pooled:
+            seg = self.slab(*slab)
+        else:
+            seg = Segment.create(hi - lo, kind="load", populate=False)
+            self.load_segments.add(seg.name)
         try:
-            if hi > lo:
-                self.storage.readinto(path, lo, seg.buf[: hi - lo])
-            tensors = {}
-            for name, r in records.items():
-                with seg.buf[r.start - lo : r.end - lo] as view:
-                    if crc(view) != r.crc32c:
-                        raise CorruptCheckpointError(
-                            f"{where}: tensor {name!r} failed its crc32c check",
-                            path=where,
-                            key=name,
-                        )
-                tensors[name] = (r.dtype, r.shape, r.start - lo)
+            # Read in chunks and checksum each chunk's finished tensors in another thread
+            # while the next chunk is read (crc32c releases the GIL): the check overlaps I/O.
+            by_end = sorted(records.items(), key=lambda item: item[1].end)
+            checks, done = [], 0
+            for off in range(0, hi - lo, LOAD_CHUNK):
+                end = min(off + LOAD_CHUNK, hi - lo)
+                self.storage.readinto(path, lo + off, seg.buf[off:end])
+                first = done
+                while done < len(by_end) and by_end[done][1].end - lo <= end:
+                    done += 1
+                checks.append(
+                    self.pool.submit(self._check_crcs, seg, by_end[first:done], lo, where)
+                )
+            if done < len(by_end):  # empty tensors past the last byte read
+                checks.append(self.pool.submit(self._check_crcs, seg, by_end[done:], lo, where))
+            for check in checks:
+                check.result()
+            tensors = {name: (r.dtype, r.shape, r.start - lo) for name, r in records.items()}
         except BaseException:
-            seg.close()
-            seg.unlink()
-            self.load_segments.discard(seg.name)
+            if not pooled:
+                seg.close()
+                seg.unlink()
+                self.load_segments.discard(seg.name)
             raise
-        seg.close()
+        if not pooled:
+            seg.close()  # the trainer maps it and takes it over
         return {
             "step": step,
-            "segment": seg.name,
+            "segment": None if pooled else seg.name,
             "size": hi - lo,
             "tensors": tensors,
             "tree": m.trees[rank],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import _posixshmem
 import contextlib
+import functools
 import itertools
 import json
 import math
@@ -614,14 +615,13 @@ class AsyncCheckpointManager:
         try:
             if step is not None:
                 self._check_load_step(step)
-            reply = await self._request(
-                "load", step=step, rank=self.rank, world_size=self.world_size
-            )
-            tensors = _map_loaded(reply)
             if into is None:
-                result = unflatten(reply["tree"], tensors)
+                reply = await self._request(
+                    "load", step=step, rank=self.rank, world_size=self.world_size
+                )
+                result = unflatten(reply["tree"], _map_loaded(reply))
             else:
-                result = await anyio.to_thread.run_sync(load_into, into, reply["tree"], tensors)
+                reply, result = await self._load_into(step, into)
         except BaseException as e:
             self.events.emit("load.exception", uuid=op, step=step, error=e)
             raise
@@ -633,6 +633,44 @@ class AsyncCheckpointManager:
             nbytes=reply["nbytes"],
         )
         return result
+
+    async def _load_into(self, step: int | None, into: Any) -> tuple[dict[str, Any], Any]:
+        """Restore into existing objects, reading through a warm staging slab when one fits.
+
+        The slab is the one the next save of this state will use anyway: the daemon reads
+        the shard straight into it (no fresh shared memory to fault in) and the copy out
+        into the targets is the only other pass over the bytes.
+        """
+        slab = None
+        try:
+            layout = self._layouts.get(flatten(into))
+        except CheckpointError:
+            layout = None  # not a savable state: read into a fresh segment instead
+        if layout is not None:
+            slab = await self._pool.acquire(layout.file_size, layout.id)
+        try:
+            reply = await self._request(
+                "load",
+                step=step,
+                rank=self.rank,
+                world_size=self.world_size,
+                slab=(slab.name, slab.size) if slab is not None else None,
+            )
+            if reply["segment"] is None:
+                assert slab is not None
+                self._pool.reuse_for_load(slab)
+                tensors = _views(slab.u8, reply["tensors"])
+                owned = False
+            else:
+                tensors, owned = _map_loaded(reply), True
+            result = await anyio.to_thread.run_sync(
+                functools.partial(load_into, into, reply["tree"], tensors, owned=owned)
+            )
+            del tensors
+        finally:
+            if slab is not None:
+                self._pool.release(slab.name)
+        return reply, result
 
     @staticmethod
     def _check_load_step(step: Any) -> None:
@@ -708,13 +746,18 @@ def _map_loaded(reply: dict[str, Any]) -> dict[str, torch.Tensor]:
     name, size = reply["segment"], reply["size"]
     fd = _posixshmem.shm_open(name, os.O_RDWR, mode=0o600)
     try:
-        mm = mmap.mmap(fd, max(size, 1))
+        mm = mmap.mmap(fd, max(size, 1), flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
     finally:
         os.close(fd)
         _posixshmem.shm_unlink(name)  # the mapping lives on as long as the tensors do
     u8 = torch.frombuffer(mm, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+    return _views(u8, reply["tensors"])
+
+
+def _views(u8: torch.Tensor, specs: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Each loaded tensor as a view of the bytes the daemon read."""
     tensors = {}
-    for key, (dtype_name, shape, offset) in reply["tensors"].items():
+    for key, (dtype_name, shape, offset) in specs.items():
         dtype = ST_TO_TORCH[dtype_name]
         itemsize = fmt.DTYPE_SIZES[dtype_name]
         if offset % itemsize:

@@ -15,6 +15,9 @@ import os
 import secrets
 
 PREFIX = "aiockpt"
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+#: Whether segments created with ``populate`` come with every page mapped in.
+POPULATES = bool(_POPULATE)
 
 
 def new_name(kind: str) -> str:
@@ -26,7 +29,7 @@ class Segment:
 
     __slots__ = ("buf", "mm", "name", "size")
 
-    def __init__(self, name: str, size: int, *, create: bool) -> None:
+    def __init__(self, name: str, size: int, *, create: bool, populate: bool = True) -> None:
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = _posixshmem.shm_open(name, flags, mode=0o600)
         try:
@@ -35,7 +38,12 @@ class Segment:
             elif os.fstat(fd).st_size < size:
                 raise ValueError(f"shared memory {name} is smaller than {size} bytes")
             # mmap of length 0 is an error; an empty save still gets a one-page segment.
-            self.mm = mmap.mmap(fd, max(size, 1))
+            # MAP_POPULATE maps every page in at once, in the kernel: cheaper than a fault per
+            # 4 KiB page on first touch (a 1 GiB slab has 262,144). Not for a segment that a
+            # read fills at once: zeroing its pages first would double the work (measured at
+            # 1 GiB: 0.45-0.6 s of populate before a 0.7 s read).
+            flags = mmap.MAP_SHARED | (_POPULATE if populate else 0)
+            self.mm = mmap.mmap(fd, max(size, 1), flags=flags)
         except BaseException:
             os.close(fd)
             if create:
@@ -47,8 +55,8 @@ class Segment:
         self.buf = memoryview(self.mm)
 
     @classmethod
-    def create(cls, size: int, kind: str = "slab") -> Segment:
-        return cls(new_name(kind), size, create=True)
+    def create(cls, size: int, kind: str = "slab", *, populate: bool = True) -> Segment:
+        return cls(new_name(kind), size, create=True, populate=populate)
 
     @classmethod
     def attach(cls, name: str, size: int) -> Segment:

@@ -9,7 +9,6 @@ fresh shared memory costs a page fault per page, a warm slab only the copy.
 from __future__ import annotations
 
 import itertools
-import mmap
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -18,7 +17,7 @@ import torch
 
 from . import _format as fmt
 from ._channel import LayoutMsg
-from ._shm import Segment
+from ._shm import POPULATES, Segment
 from ._state import TORCH_TO_ST, Flat
 
 _layout_ids = itertools.count(1)
@@ -99,10 +98,8 @@ class Slab:
         self.views: list[torch.Tensor] = []
         self.runs: list[tuple[int, int, torch.Tensor]] = []
         self.pinned = False
-        # Fault every page in now, off the save path's copy (madvise is a hint, so touch too).
-        if hasattr(self.seg.mm, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
-            self.seg.mm.madvise(mmap.MADV_WILLNEED)
-        self.u8.zero_()
+        if not POPULATES:  # else the segment's pages are already mapped in (MAP_POPULATE)
+            self.u8.zero_()  # fault every page in now, not during a save's copy
 
     @property
     def name(self) -> str:
@@ -241,6 +238,12 @@ class SlabPool:
         slab = (same or sorted(fits, key=lambda s: s.size))[0]
         self._free.remove(slab)
         return slab
+
+    def reuse_for_load(self, slab: Slab) -> None:
+        """A load read its bytes over this slab: its header and cached views are stale."""
+        slab.layout_id = 0
+        slab.views = []
+        slab.runs = []
 
     def release(self, name: str) -> None:
         slab = self._busy.pop(name, None)

@@ -200,8 +200,20 @@ def unflatten(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     return body
 
 
-def load_into(target: Any, tree: Any, tensors: Mapping[str, torch.Tensor], path: str = "") -> Any:
-    """Restore ``tree`` into ``target`` in place where it can; return the restored value."""
+def load_into(
+    target: Any,
+    tree: Any,
+    tensors: Mapping[str, torch.Tensor],
+    path: str = "",
+    *,
+    owned: bool = True,
+) -> Any:
+    """Restore ``tree`` into ``target`` in place where it can; return the restored value.
+
+    Tensors are copied into the target's tensors; anything else gets ``tensors`` themselves,
+    or clones of them when they are not ``owned`` (views of a buffer that will be reused).
+    """
+    fresh = tensors if owned else _Cloning(tensors)
     tag, body = next(iter(tree.items()))
     if isinstance(target, torch.Tensor):
         if tag != "T":
@@ -217,19 +229,35 @@ def load_into(target: Any, tree: Any, tensors: Mapping[str, torch.Tensor], path:
         return target
     if is_stateful(target):
         inner = body if tag == "S" else tree
-        target.load_state_dict(unflatten(inner, tensors))
+        target.load_state_dict(unflatten(inner, fresh))
         return target
     if tag == "S":
         tag, body = next(iter(body.items()))
     if isinstance(target, dict) and tag == "D":
         for k, node in body:
             if k in target:
-                target[k] = load_into(target[k], node, tensors, _path(path, k))
+                target[k] = load_into(target[k], node, tensors, _path(path, k), owned=owned)
             else:
-                target[k] = unflatten(node, tensors)
+                target[k] = unflatten(node, fresh)
         return target
     if isinstance(target, list) and tag in ("L", "U") and len(target) == len(body):
         for i, node in enumerate(body):
-            target[i] = load_into(target[i], node, tensors, _path(path, i))
+            target[i] = load_into(target[i], node, tensors, _path(path, i), owned=owned)
         return target
-    return unflatten({tag: body}, tensors)
+    return unflatten({tag: body}, fresh)
+
+
+class _Cloning(Mapping):
+    """Clones of the tensors of another mapping, made as they are asked for."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self._tensors = tensors
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._tensors[name].clone()
+
+    def __iter__(self):
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)

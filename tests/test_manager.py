@@ -451,3 +451,31 @@ async def test_concurrent_saves_and_loads(root):
         await mgr.wait()
         assert await mgr.steps() == [0, 1, 2, 3]
     assert all(torch.equal(r["w"], state["w"]) for r in results.values())
+
+
+async def test_load_into_reads_through_the_staging_slab_without_aliasing_it(root):
+    """load(into=...) reads through the slab the next save will reuse; whatever it hands over
+    by reference (optimizer state, keys the target lacks) must not be a view of that slab."""
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    state = {"model": model, "optim": opt, "extra": torch.full((1000,), 7.0)}
+    async with AsyncCheckpointManager(root) as mgr:
+        await (await mgr.save(1, state))
+        saved_avg = opt.state_dict()["state"][0]["exp_avg"].clone()
+        model2 = torch.nn.Linear(64, 64)
+        opt2 = torch.optim.Adam(model2.parameters())
+        target = {"model": model2, "optim": opt2, "extra": torch.zeros(1000)}
+        await mgr.load(1, into=target)
+        del target["extra"]
+        await mgr.load(1, into=target)  # "extra" is now handed over, not copied into
+        assert mgr._pool.busy == 0
+        # The next saves overwrite the slabs with other bytes.
+        for step in (2, 3):
+            await (await mgr.save(step, {k: v for k, v in state.items() if k != "extra"}))
+            with torch.no_grad():
+                model.weight.add_(1.0)
+        assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], saved_avg)
+        assert torch.equal(target["extra"], torch.full((1000,), 7.0))
+        assert torch.equal(model2.bias, model.bias)

@@ -37,9 +37,13 @@ async def test_daemon_sigkilled_while_writing(root):
     async with AsyncCheckpointManager(root, max_pending=2) as mgr:
         for step in (1, 2):
             await (await mgr.save(step, {"small": torch.arange(10) * step, "step": step}))
+        daemon = mgr._daemon.proc
+        # Both saves are staged before the daemon may start on them, so the kill lands while
+        # step 3 is written and step 4 waits behind it, however fast staging or writing is.
+        os.kill(daemon.pid, signal.SIGSTOP)
         writing = await mgr.save(3, big)
         queued = await mgr.save(4, big)
-        daemon = mgr._daemon.proc
+        os.kill(daemon.pid, signal.SIGCONT)
         await anyio.to_thread.run_sync(
             wait_until,
             lambda: os.path.exists(step_dir(root, 3)),
