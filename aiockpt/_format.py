@@ -7,15 +7,21 @@ the daemon and the CLI stay light.
 
 from __future__ import annotations
 
+import functools
+import gc
 import json
 import math
 import re
 import reprlib
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from .errors import CorruptCheckpointError
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 FORMAT = "aiockpt"
 VERSION = 1
@@ -75,6 +81,23 @@ def shard_filename(rank: int) -> str:
 
 def align_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
+
+
+def _no_gc(fn: Callable[P, R]) -> Callable[P, R]:
+    """Pause the cyclic GC: a 20k-tensor manifest decodes into ~100k fresh containers, and the
+    collector kept re-scanning them (measured: half of parsing time). Nothing here is cyclic."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if enabled:
+                gc.enable()
+
+    return wrapper
 
 
 # --------------------------------------------------------------------------- shard header
@@ -266,6 +289,7 @@ def manifest_json(
     return (head[:-1] + ',"tensors":' + tensors_json + ',"trees":' + trees_json + "}").encode()
 
 
+@_no_gc
 def parse_manifest(data: bytes, *, path: str, step: int | None = None) -> Manifest:
     """Validate an untrusted manifest. Raises :class:`CorruptCheckpointError` naming ``path``."""
 
@@ -404,6 +428,7 @@ def _json_depth(value: Any) -> int:
     return deepest
 
 
+@_no_gc
 def check_tree(tree: Any, tensor_names: set[str], *, path: str) -> None:
     """Validate an untrusted tree from a manifest; every tensor reference must exist."""
 
