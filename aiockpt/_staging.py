@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import anyio
@@ -96,7 +97,7 @@ class Slab:
         self.u8 = torch.frombuffer(self.seg.buf, dtype=torch.uint8)
         self.layout_id = 0
         self.views: list[torch.Tensor] = []
-        self.runs: list[tuple[int, int, torch.Tensor]] = []
+        self.plan: tuple[list[Piece], list[Piece]] = ([], [])
         self.pinned = False
         if not POPULATES:  # else the segment's pages are already mapped in (MAP_POPULATE)
             self.u8.zero_()  # fault every page in now, not during a save's copy
@@ -122,31 +123,26 @@ class Slab:
                 for s in layout.specs
             ]
             self.views = [by_file[j] for j in layout.order]
-            self.runs = _runs(layout, self.u8[base:])
+            self.plan = _plan(layout, self.u8[base:])
             self.layout_id = layout.id
         return self.views
 
     def copy_in(self, layout: Layout, tensors: list[torch.Tensor]) -> None:
         """The snapshot: copy every tensor into the slab (runs in a worker thread)."""
         dsts = self.prepare(layout)
-        with torch.no_grad():
-            if any(t.is_cuda for t in tensors):
+        if any(t.is_cuda for t in tensors):
+            with torch.no_grad():
                 self._copy_from_cuda(list(zip(dsts, tensors, strict=True)))
-                return
-            # Runs of 1-D tensors that lie back to back in the slab go in one torch.cat:
-            # per-tensor dispatch is what a copy of 20k small tensors spends its time on.
-            done = 0
-            for a, b, region in self.runs:
-                if a > done:
-                    torch._foreach_copy_(dsts[done:a], tensors[done:a])
-                run = tensors[a:b]
-                if all(t.is_contiguous() and t.dim() == 1 for t in run):
-                    torch.cat(run, out=region)
-                else:
-                    torch._foreach_copy_(dsts[a:b], run)
-                done = b
-            if done < len(tensors):
-                torch._foreach_copy_(dsts[done:], tensors[done:])
+            return
+        # Small tensors are copied one dispatch at a time on one core: the other core takes
+        # half of them (measured at 20k tensors: 85 ms on one thread, 47 ms on two).
+        first, second = self.plan
+        other = _helper.submit(_copy_pieces, second, dsts, tensors) if second else None
+        try:
+            _copy_pieces(first, dsts, tensors)
+        finally:
+            if other is not None:
+                other.result()
 
     def _copy_from_cuda(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         # Device-to-host straight into the slab. Pinning (cudaHostRegister) makes the copies
@@ -167,7 +163,7 @@ class Slab:
             torch.cuda.cudart().cudaHostUnregister(self.u8.data_ptr())
             self.pinned = False
         self.views = []
-        self.runs = []
+        self.plan = ([], [])
         del self.u8
         self.seg.close()
         self.seg.unlink()
@@ -195,6 +191,62 @@ def _runs(layout: Layout, data: torch.Tensor) -> list[tuple[int, int, torch.Tens
             runs.append((i, j + 1, data[first.start : last.end].view(fmt_dtype(first.dtype))))
         i = j + 1
     return runs
+
+
+Piece = tuple[int, int, "torch.Tensor | None"]
+
+
+def _plan(layout: Layout, data: torch.Tensor) -> tuple[list[Piece], list[Piece]]:
+    """The copy as two halves of about equal bytes, for two threads. A piece is a range of
+    tensors in flatten order, with the slab region to torch.cat it into when it is a run."""
+    order, specs, n = layout.order, layout.specs, len(layout.order)
+    pieces: list[Piece] = []
+    done = 0
+    for a, b, region in _runs(layout, data):
+        if a > done:
+            pieces.append((done, a, None))
+        pieces.append((a, b, region))
+        done = b
+    if done < n:
+        pieces.append((done, n, None))
+    total = sum(s.nbytes for s in specs)
+    # Many small tensors: split at the tensor where half the bytes are done. (A few large
+    # tensors are copied by torch's own intra-op threads already; one half suffices.)
+    if n < 256 or total < (1 << 20):
+        return pieces, []
+    half, acc, h = total // 2, 0, 0
+    while h < n and acc < half:
+        acc += specs[order[h]].nbytes
+        h += 1
+    first: list[Piece] = []
+    second: list[Piece] = []
+    for a, b, region in pieces:
+        if b <= h:
+            first.append((a, b, region))
+        elif a >= h:
+            second.append((a, b, region))
+        elif region is None:
+            first.append((a, h, None))
+            second.append((h, b, None))
+        else:
+            itemsize = region.element_size()
+            cut = (specs[order[h]].start - specs[order[a]].start) // itemsize
+            first.append((a, h, region[:cut]))
+            second.append((h, b, region[cut:]))
+    return first, second
+
+
+def _copy_pieces(pieces: list[Piece], dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for a, b, region in pieces:
+            run = srcs[a:b]
+            if region is not None and all(t.is_contiguous() and t.dim() == 1 for t in run):
+                torch.cat(run, out=region)  # one kernel instead of b - a dispatches
+            else:
+                torch._foreach_copy_(dsts[a:b], run)
+
+
+_helper = ThreadPoolExecutor(1, thread_name_prefix="aiockpt-copy")
 
 
 def fmt_dtype(name: str) -> torch.dtype:
@@ -243,7 +295,7 @@ class SlabPool:
         """A load read its bytes over this slab: its header and cached views are stale."""
         slab.layout_id = 0
         slab.views = []
-        slab.runs = []
+        slab.plan = ([], [])
 
     def release(self, name: str) -> None:
         slab = self._busy.pop(name, None)

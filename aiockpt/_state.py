@@ -104,12 +104,19 @@ def flatten(state: Any) -> Flat:
         active.add(id(value))
         try:
             if isinstance(value, Mapping):
-                return {
-                    "D": [
-                        [check_key(k, path), walk(v, _path(path, k), depth + 1)]
-                        for k, v in value.items()
-                    ]
-                }
+                # The hot loop of a big state dict: tensor values and str keys go straight
+                # through, without a recursive call or the full key check.
+                items = []
+                prefix = f"{path}/" if path else ""
+                for k, v in value.items():
+                    if type(k) is not str or "\x00" in k:
+                        check_key(k, path)
+                    child = f"{prefix}{k}"
+                    if isinstance(v, torch.Tensor):
+                        items.append([k, {"T": add_tensor(v, child)}])
+                    else:
+                        items.append([k, walk(v, child, depth + 1)])
+                return {"D": items}
             if isinstance(value, list):
                 return {"L": [walk(v, _path(path, i), depth + 1) for i, v in enumerate(value)]}
             if isinstance(value, tuple):
