@@ -76,6 +76,12 @@ class _Layout:
     def __init__(self, msg: LayoutMsg) -> None:
         self.msg = msg
         self.specs = [fmt.TensorSpec(*s) for s in msg.specs]
+        self._json_parts: list[str] | None = None
+
+    def json_parts(self) -> list[str]:
+        if self._json_parts is None:
+            self._json_parts = fmt.tensors_json_parts(self.specs, self.msg.data_start)
+        return self._json_parts
 
 
 class Daemon:
@@ -228,7 +234,9 @@ class Daemon:
                 "nbytes": nbytes,
                 "crc32c": shard_crc,
             }
-            tensors = fmt.tensors_json(layout.specs, layout.msg.data_start, tensor_crcs)
+            tensors = fmt.tensors_json(
+                layout.specs, layout.msg.data_start, tensor_crcs, layout.json_parts()
+            )
             tree = json.dumps(req.tree, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
             part = Part(self.cfg.rank, shard, tensors, tree)
             if self.coord is None:
