@@ -22,6 +22,7 @@ import time
 
 import anyio
 import torch
+from compare import spin  # the same stand-in for training work as the comparison
 
 from aiockpt import AsyncCheckpointManager
 
@@ -61,15 +62,6 @@ def write_fsync_time(nbytes: int, directory: str, repeats: int) -> float:
         times.append(time.perf_counter() - t0)
         os.unlink(path)
     return min(times)
-
-
-def spin(seconds: float) -> int:
-    """A pure-Python loop: iterations done in ``seconds``."""
-    n, end = 0, time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        for _ in range(100):
-            n += 1
-    return n
 
 
 async def measure(mgr: AsyncCheckpointManager, step: int, state: dict) -> dict[str, float]:
