@@ -19,7 +19,7 @@ import torch
 from . import _format as fmt
 from ._channel import LayoutMsg
 from ._shm import POPULATES, Segment
-from ._state import TORCH_TO_ST, Flat
+from ._state import ST_TO_TORCH, TORCH_TO_ST, Flat
 
 _layout_ids = itertools.count(1)
 
@@ -119,7 +119,7 @@ class Slab:
             )
             base = layout.data_start
             by_file = [
-                self.u8[base + s.start : base + s.end].view(fmt_dtype(s.dtype)).view(s.shape)
+                self.u8[base + s.start : base + s.end].view(ST_TO_TORCH[s.dtype]).view(s.shape)
                 for s in layout.specs
             ]
             self.views = [by_file[j] for j in layout.order]
@@ -188,7 +188,7 @@ def _runs(layout: Layout, data: torch.Tensor) -> list[tuple[int, int, torch.Tens
             j += 1
         if j > i:
             first, last = specs[order[i]], specs[order[j]]
-            runs.append((i, j + 1, data[first.start : last.end].view(fmt_dtype(first.dtype))))
+            runs.append((i, j + 1, data[first.start : last.end].view(ST_TO_TORCH[first.dtype])))
         i = j + 1
     return runs
 
@@ -247,12 +247,6 @@ def _copy_pieces(pieces: list[Piece], dsts: list[torch.Tensor], srcs: list[torch
 
 
 _helper = ThreadPoolExecutor(1, thread_name_prefix="aiockpt-copy")
-
-
-def fmt_dtype(name: str) -> torch.dtype:
-    from ._state import ST_TO_TORCH
-
-    return ST_TO_TORCH[name]
 
 
 class SlabPool:
