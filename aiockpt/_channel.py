@@ -56,6 +56,11 @@ class SaveReq:
     metrics: dict[str, Any]
     metadata: dict[str, Any]
     forget: tuple[str, ...] = ()
+    #: State-tree fragments the daemon does not hold yet, by id: the tree refers to a fragment
+    #: as ``{"R": id}`` and the daemon splices in its encoded text (see _state.Flattener).
+    fragments: dict[int, Any] = field(default_factory=dict)
+    #: Fragments no later request will refer to.
+    forget_fragments: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

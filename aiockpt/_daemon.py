@@ -9,7 +9,6 @@ lists and loads by a reader thread, so a load never waits behind a large write.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import queue
 import sys
@@ -90,6 +89,8 @@ class Daemon:
         self.cfg = cfg
         self.slabs: dict[str, Segment] = {}
         self.layouts: dict[int, _Layout] = {}
+        #: Encoded state-tree fragments by id (see SaveReq.fragments).
+        self.fragments: dict[int, str] = {}
         self.load_segments: set[str] = set()
         self.index: dict[int, CheckpointRecord] = {}
         self.in_flight: set[int] = set()
@@ -203,6 +204,11 @@ class Daemon:
         try:
             if req.layout is not None:
                 self.layouts[req.layout.id] = _Layout(req.layout)
+            for i, node in req.fragments.items():
+                self.fragments[i] = fmt.encode_tree(node, {})
+            tree = fmt.encode_tree(req.tree, self.fragments)
+            for i in req.forget_fragments:
+                self.fragments.pop(i, None)
             self.forget(req.forget)
             layout = self.layouts[req.layout_id]
             seg = self.slab(req.slab, req.slab_size)
@@ -215,7 +221,7 @@ class Daemon:
                 try:
                     self.storage.write_file(f"{step_dir}/{self.shard}", [data])
                 finally:
-                    tensor_crcs, shard_crc = crcs.result()
+                    tensors, shard_crc = crcs.result()
             self.send(SlabFree(req.slab))
             slab_free = True
             written = time.monotonic()
@@ -234,10 +240,6 @@ class Daemon:
                 "nbytes": nbytes,
                 "crc32c": shard_crc,
             }
-            tensors = fmt.tensors_json(
-                layout.specs, layout.msg.data_start, tensor_crcs, layout.json_parts()
-            )
-            tree = json.dumps(req.tree, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
             part = Part(self.cfg.rank, shard, tensors, tree)
             if self.coord is None:
                 created_at = time.time()
@@ -292,10 +294,13 @@ class Daemon:
             self.send(SaveDone(req.uuid, error=remote_error(e)))
 
     @staticmethod
-    def checksums(data: memoryview, layout: _Layout) -> tuple[list[int], int]:
+    def checksums(data: memoryview, layout: _Layout) -> tuple[str, int]:
+        """The manifest's tensor entries with their crcs, and the shard's crc: computed while
+        the shard is written, so the commit only splices text."""
         base = layout.msg.data_start
         tensor_crcs = [crc(data[base + s.start : base + s.end]) for s in layout.specs]
-        return tensor_crcs, crc(data)
+        shard_crc = crc(data)
+        return fmt.tensors_json(layout.specs, base, tensor_crcs, layout.json_parts()), shard_crc
 
     def apply_retention(self, uuid: str, step: int) -> tuple[list[int], BaseException | None]:
         """Delete what the policy lets go, manifest first. Runs only after the commit of

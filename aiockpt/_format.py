@@ -401,6 +401,35 @@ def tensors_json(
     return "{" + ",".join([f"{p}{c}}}" for p, c in zip(parts, crcs, strict=True)]) + "}"
 
 
+_FRAGMENT_MARK = re.compile(r'"\\u0000(\d+)"')
+
+
+def encode_tree(tree: Any, fragments: dict[int, str]) -> str:
+    """The JSON text of a state tree as the trainer sends it: a ``{"R": id}`` node stands for
+    the fragment ``id``, whose JSON text the daemon already holds in ``fragments``.
+
+    A fragment is a large mapping sent once and reused by later saves (see _state.Flattener);
+    its text is spliced in, never encoded again. Reference nodes become strings holding a NUL
+    and the id, which JSON escapes as ``\\u0000``; no stored string holds a NUL (flatten
+    refuses them), so nothing else can match.
+    """
+
+    def mark(node: Any) -> Any:
+        ((tag, body),) = node.items()
+        if tag == "R":
+            return f"\x00{body}"
+        if tag == "D":
+            return {"D": [[k, mark(v)] for k, v in body]}
+        if tag in ("L", "U"):
+            return {tag: [mark(v) for v in body]}
+        if tag == "S":
+            return {"S": mark(body)}
+        return node
+
+    text = json.dumps(mark(tree), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return _FRAGMENT_MARK.sub(lambda m: fragments[int(m.group(1))], text)
+
+
 def _short(value: Any) -> str:
     """A bounded repr of an untrusted value for an error message (never the whole of it)."""
     return _REPR.repr(value)

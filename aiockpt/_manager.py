@@ -39,8 +39,8 @@ from ._channel import (
     SlabFree,
     Stop,
 )
-from ._staging import LayoutCache, SlabPool
-from ._state import ST_TO_TORCH, flatten, load_into, unflatten
+from ._staging import Layout, LayoutCache, Slab, SlabPool
+from ._state import ST_TO_TORCH, Flat, Flattener, StaleFlat, flatten, load_into, unflatten
 from .errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -49,6 +49,7 @@ from .errors import (
     DaemonStartError,
     InvalidStepError,
     ManagerClosedError,
+    StateChangedError,
     StepExistsError,
     UnsupportedValueError,
 )
@@ -114,6 +115,8 @@ class _Daemon:
         self.chan = chan
         self.alive = True
         self.layouts_sent: set[int] = set()
+        #: Ids of the state-tree fragments this daemon holds (see _state.Flattener).
+        self.fragments_sent: set[int] = set()
         self.stopping = False
         self.reader_done = anyio.Event()
 
@@ -164,6 +167,10 @@ class AsyncCheckpointManager:
         self._daemon: _Daemon | None = None
         self._pool = SlabPool(max_pending)
         self._layouts = LayoutCache()
+        self._flattener = Flattener()
+        #: Flats of the saves between flatten and their request reaching the daemon, by uuid.
+        self._unsent: dict[str, Flat] = {}
+        self._retired_fragments: set[int] = set()
         self._pending: dict[str, SaveHandle] = {}
         self._in_flight_steps: set[int] = set()
         self._committed: set[int] = set()
@@ -493,7 +500,7 @@ class AsyncCheckpointManager:
             self._check_step(step)
             clean_metrics = _clean_metrics(metrics)
             clean_metadata = _clean_metadata(metadata)
-            flat = flatten(state)
+            flat = self._flattener.flatten(state)
         except CheckpointError as e:
             refused = e
         if self._group is not None:
@@ -507,14 +514,17 @@ class AsyncCheckpointManager:
         try:
             if refused is not None:
                 raise refused
-            layout = self._layouts.get(flat)
             d = await self._live_daemon()
             self._in_flight_steps.add(step)
+            self._unsent[handle.uuid] = flat
+            sent = False
             try:
-                slab = await self._pool.acquire(layout.file_size, layout.id)
+                flat, layout, slab = await self._stage(state, flat, handle.uuid)
                 try:
-                    await anyio.to_thread.run_sync(slab.copy_in, layout, flat.tensors)
                     send_layout = layout.id not in d.layouts_sent
+                    new_fragments = {
+                        i: node for i, node in flat.fragments.items() if i not in d.fragments_sent
+                    }
                     req = SaveReq(
                         uuid=handle.uuid,
                         step=step,
@@ -526,6 +536,8 @@ class AsyncCheckpointManager:
                         metrics=clean_metrics,
                         metadata=clean_metadata,
                         forget=self._pool.take_forgotten(),
+                        fragments=new_fragments,
+                        forget_fragments=self._forgettable_fragments(d),
                     )
                     if not d.alive:
                         raise DaemonDiedError(
@@ -533,14 +545,24 @@ class AsyncCheckpointManager:
                         )
                     self._pending[handle.uuid] = handle
                     d.chan.send(req)
+                    sent = True
                     d.layouts_sent.add(layout.id)
+                    d.fragments_sent.update(new_fragments)
+                    d.fragments_sent.difference_update(req.forget_fragments)
                 except BaseException:
                     self._pending.pop(handle.uuid, None)
                     self._pool.release(slab.name)
                     raise
-            except BaseException:
+            except BaseException as e:
                 self._in_flight_steps.discard(step)
+                if self._group is not None and not sent and d.alive:
+                    # Every rank agreed to save this step: tell the others not to wait for it.
+                    with anyio.CancelScope(shield=True):
+                        why = f"{type(e).__name__}: {e}"
+                        await self._publish_failures([(step, handle.uuid)], why)
                 raise
+            finally:
+                self._unsent.pop(handle.uuid, None)
         except BaseException as e:
             if isinstance(e, (OSError, EOFError)) and not isinstance(e, CheckpointError):
                 e = DaemonDiedError(
@@ -557,6 +579,42 @@ class AsyncCheckpointManager:
             nbytes=layout.file_size,
         )
         return handle
+
+    async def _stage(self, state: Any, flat: Flat, uuid: str) -> tuple[Flat, Layout, Slab]:
+        """The snapshot: copy the state into a slab.
+
+        A flatten that took cached mappings on trust is checked as it is copied; when it no
+        longer fits the state, flatten afresh (which refuses what cannot be saved, naming its
+        key path) and copy again.
+        """
+        while True:
+            try:
+                layout = self._layouts.get(flat)
+                slab = await self._pool.acquire(layout.file_size, layout.id)
+                try:
+                    await anyio.to_thread.run_sync(slab.copy_in, layout, flat.tensors, flat.cuda)
+                except BaseException:
+                    self._pool.release(slab.name)
+                    raise
+                return flat, layout, slab
+            except StaleFlat:
+                if flat.trusted:
+                    raise StateChangedError(
+                        "the state changed while it was being copied (is another thread "
+                        "modifying it?); nothing was written"
+                    ) from None
+                flat = self._unsent[uuid] = self._flattener.flatten(state, trust=False)
+
+    def _forgettable_fragments(self, d: _Daemon) -> tuple[int, ...]:
+        """Fragments the daemon may drop: retired by the flattener, and not referred to by a
+        save that has not reached the daemon yet."""
+        self._retired_fragments.update(self._flattener.take_retired())
+        live: set[int] = set()
+        for flat in self._unsent.values():
+            live.update(flat.fragments)
+        gone = self._retired_fragments - live
+        self._retired_fragments -= gone
+        return tuple(sorted(gone & d.fragments_sent))
 
     def _check_step(self, step: Any) -> None:
         if isinstance(step, bool) or not isinstance(step, int):

@@ -9,6 +9,8 @@ fresh shared memory costs a page fault per page, a warm slab only the copy.
 from __future__ import annotations
 
 import itertools
+import math
+import operator
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,7 +21,7 @@ import torch
 from . import _format as fmt
 from ._channel import LayoutMsg
 from ._shm import POPULATES, Segment
-from ._state import ST_TO_TORCH, TORCH_TO_ST, Flat
+from ._state import ST_TO_TORCH, TORCH_TO_ST, Flat, StaleFlat
 
 _layout_ids = itertools.count(1)
 
@@ -32,6 +34,9 @@ class Layout:
     specs: tuple[fmt.TensorSpec, ...]
     #: For each tensor in flatten order, its index in ``specs``.
     order: tuple[int, ...]
+    #: Each tensor's shape and torch dtype, in flatten order: what a copy checks sources against.
+    shapes: tuple[torch.Size, ...]
+    dtypes: tuple[torch.dtype, ...]
 
     @property
     def data_start(self) -> int:
@@ -70,23 +75,34 @@ class LayoutCache:
 
 
 def make_layout(flat: Flat) -> Layout:
-    n = len(flat.tensors)
-    sizes = [t.element_size() for t in flat.tensors]
+    """The shard layout of ``flat``'s tensors as they are now.
+
+    Raises StaleFlat when a tensor taken on trust (``flat.trusted`` False) turns out not to be
+    savable: flatten afresh to have it refused with its key path.
+    """
+    tensors = flat.tensors
+    dtypes = tuple(t.dtype for t in tensors)
+    shapes = tuple(t.shape for t in tensors)
+    if not flat.trusted and not all(
+        d in TORCH_TO_ST and t.layout is torch.strided and (t.is_cpu or t.is_cuda)
+        for d, t in zip(dtypes, tensors, strict=True)
+    ):
+        raise StaleFlat
+    sizes = [t.element_size() for t in tensors]
     # Descending item size keeps every tensor naturally aligned with no padding (safetensors
     # allows no gaps); sorted() is stable, so equal sizes keep their tree order.
-    file_order = sorted(range(n), key=lambda i: -sizes[i])
+    file_order = sorted(range(len(tensors)), key=lambda i: -sizes[i])
     specs = []
     pos = 0
-    where = [0] * n
+    where = [0] * len(tensors)
     for j, i in enumerate(file_order):
-        t = flat.tensors[i]
-        nbytes = t.numel() * sizes[i]
-        specs.append(
-            fmt.TensorSpec(flat.names[i], TORCH_TO_ST[t.dtype], tuple(t.shape), pos, pos + nbytes)
-        )
+        nbytes = math.prod(shapes[i]) * sizes[i]
+        st_dtype = TORCH_TO_ST[dtypes[i]]
+        specs.append(fmt.TensorSpec(flat.names[i], st_dtype, tuple(shapes[i]), pos, pos + nbytes))
         where[i] = j
         pos += nbytes
-    return Layout(next(_layout_ids), fmt.build_header(specs), tuple(specs), tuple(where))
+    header = fmt.build_header(specs)
+    return Layout(next(_layout_ids), header, tuple(specs), tuple(where), shapes, dtypes)
 
 
 class Slab:
@@ -127,26 +143,35 @@ class Slab:
             self.layout_id = layout.id
         return self.views
 
-    def copy_in(self, layout: Layout, tensors: list[torch.Tensor]) -> None:
-        """The snapshot: copy every tensor into the slab (runs in a worker thread)."""
-        dsts = self.prepare(layout)
-        if any(t.is_cuda for t in tensors):
+    def copy_in(self, layout: Layout, tensors: list[torch.Tensor], cuda: bool = False) -> None:
+        """The snapshot: copy every tensor into the slab (runs in a worker thread).
+
+        Each chunk of sources is checked against the layout before it is copied (dtype, shape,
+        and a dense CPU tensor, or any device when ``cuda``); a mismatch raises StaleFlat.
+        Checking takes the GIL, copying releases it, so one thread checks while the other
+        copies.
+        """
+        self.prepare(layout)
+        if cuda:
             with torch.no_grad():
-                self._copy_from_cuda(list(zip(dsts, tensors, strict=True)))
+                self._copy_from_cuda(layout, tensors)
             return
         # Small tensors are copied one dispatch at a time on one core: the other core takes
         # half of them (measured at 20k tensors: 85 ms on one thread, 47 ms on two).
         first, second = self.plan
-        other = _helper.submit(_copy_pieces, second, dsts, tensors) if second else None
+        other = _helper.submit(_copy_pieces, second, self.views, tensors) if second else None
         try:
-            _copy_pieces(first, dsts, tensors)
+            _copy_pieces(first, self.views, tensors)
         finally:
             if other is not None:
                 other.result()
 
-    def _copy_from_cuda(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _copy_from_cuda(self, layout: Layout, tensors: list[torch.Tensor]) -> None:
         # Device-to-host straight into the slab. Pinning (cudaHostRegister) makes the copies
         # true async DMA; each source device's stream is synchronized before we return.
+        if not _matches(tensors, layout.shapes, layout.dtypes, cpu_only=False):
+            raise StaleFlat
+        pairs = list(zip(self.views, tensors, strict=True))
         if not self.pinned:
             rc = torch.cuda.cudart().cudaHostRegister(self.u8.data_ptr(), self.size, 0)
             self.pinned = int(rc) == 0
@@ -193,54 +218,73 @@ def _runs(layout: Layout, data: torch.Tensor) -> list[tuple[int, int, torch.Tens
     return runs
 
 
-Piece = tuple[int, int, "torch.Tensor | None"]
+#: A range of tensors in flatten order, the slab region to torch.cat it into when it is a run,
+#: and the shapes and dtypes the sources must have.
+Piece = tuple[int, int, "torch.Tensor | None", tuple, tuple]
+
+#: Tensors per piece: one thread checks a piece (holding the GIL) while the other copies.
+PIECE = 256
 
 
 def _plan(layout: Layout, data: torch.Tensor) -> tuple[list[Piece], list[Piece]]:
-    """The copy as two halves of about equal bytes, for two threads. A piece is a range of
-    tensors in flatten order, with the slab region to torch.cat it into when it is a run."""
+    """The copy as pieces of at most PIECE tensors, in two halves of about equal bytes for two
+    threads (a few large tensors are copied by torch's own intra-op threads: one half)."""
     order, specs, n = layout.order, layout.specs, len(layout.order)
-    pieces: list[Piece] = []
+    spans: list[tuple[int, int, torch.Tensor | None]] = []
     done = 0
     for a, b, region in _runs(layout, data):
         if a > done:
-            pieces.append((done, a, None))
-        pieces.append((a, b, region))
+            spans.append((done, a, None))
+        spans.append((a, b, region))
         done = b
     if done < n:
-        pieces.append((done, n, None))
+        spans.append((done, n, None))
+    pieces: list[Piece] = []
+    for a, b, region in spans:
+        for c in range(a, b, PIECE):
+            d = min(b, c + PIECE)
+            sub = None
+            if region is not None:
+                base, itemsize = specs[order[a]].start, region.element_size()
+                lo = (specs[order[c]].start - base) // itemsize
+                hi = (specs[order[d - 1]].end - base) // itemsize
+                sub = region[lo:hi]
+            pieces.append((c, d, sub, layout.shapes[c:d], layout.dtypes[c:d]))
     total = sum(s.nbytes for s in specs)
-    # Many small tensors: split at the tensor where half the bytes are done. (A few large
-    # tensors are copied by torch's own intra-op threads already; one half suffices.)
-    if n < 256 or total < (1 << 20):
+    if n < PIECE or total < (1 << 20):
         return pieces, []
     half, acc, h = total // 2, 0, 0
-    while h < n and acc < half:
-        acc += specs[order[h]].nbytes
+    while h < len(pieces) and acc < half:
+        a, b = pieces[h][:2]
+        acc += sum(specs[order[i]].nbytes for i in range(a, b))
         h += 1
-    first: list[Piece] = []
-    second: list[Piece] = []
-    for a, b, region in pieces:
-        if b <= h:
-            first.append((a, b, region))
-        elif a >= h:
-            second.append((a, b, region))
-        elif region is None:
-            first.append((a, h, None))
-            second.append((h, b, None))
-        else:
-            itemsize = region.element_size()
-            cut = (specs[order[h]].start - specs[order[a]].start) // itemsize
-            first.append((a, h, region[:cut]))
-            second.append((h, b, region[cut:]))
-    return first, second
+    return pieces[:h], pieces[h:]
+
+
+_DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
+_LAYOUT = operator.attrgetter("layout")
+_IS_CPU = operator.attrgetter("is_cpu")
+_STRIDED = frozenset({torch.strided})
+
+
+def _matches(run: list[torch.Tensor], shapes: tuple, dtypes: tuple, *, cpu_only: bool) -> bool:
+    """Whether the sources have the layout's dtypes and shapes and are dense (and on the CPU)."""
+    return (
+        tuple(map(_DTYPE, run)) == dtypes
+        and tuple(map(_SHAPE, run)) == shapes
+        and _STRIDED.issuperset(map(_LAYOUT, run))
+        and (not cpu_only or all(map(_IS_CPU, run)))
+    )
 
 
 def _copy_pieces(pieces: list[Piece], dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     with torch.no_grad():
-        for a, b, region in pieces:
+        for a, b, region, shapes, dtypes in pieces:
             run = srcs[a:b]
-            if region is not None and all(t.is_contiguous() and t.dim() == 1 for t in run):
+            if not _matches(run, shapes, dtypes, cpu_only=True):
+                raise StaleFlat
+            if region is not None:
                 torch.cat(run, out=region)  # one kernel instead of b - a dispatches
             else:
                 torch._foreach_copy_(dsts[a:b], run)

@@ -17,9 +17,10 @@ Tensor names are the key path joined by "/", so a checkpoint opened with safeten
 from __future__ import annotations
 
 import gc
+import itertools
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -59,30 +60,105 @@ def is_stateful(obj: Any) -> bool:
     )
 
 
+#: A mapping with at least this many values, all tensors under str keys, is a fragment: what
+#: flatten learns of it is kept and reused while its keys stay the same (see Flattener).
+FRAGMENT_MIN = 16
+
+_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+_fragment_ids = itertools.count(1)
+
+
+class StaleFlat(Exception):
+    """A flatten that took a cached mapping on trust does not match the tensors it holds now
+    (a dtype, shape, device or layout changed under the same key): flatten it afresh."""
+
+
+@dataclass(slots=True, eq=False)
+class Fragment:
+    """A mapping of tensors as flattened once: its keys, tensor names and tree node."""
+
+    id: int
+    keys: tuple[str, ...]
+    names: tuple[str, ...]
+    node: dict[str, Any]
+    cuda: bool
+
+
 @dataclass(slots=True)
 class Flat:
     """A flattened state: tensors in tree order and the JSON-able tree."""
 
     names: list[str]
     tensors: list[torch.Tensor]
+    #: The tree; a cached mapping appears in it as ``{"R": fragment id}`` (see Flattener).
     tree: Any
-    #: What decides the layout: names, dtypes and shapes, in order.
+    #: What decides the layout: a fragment's id, or a loose tensor's (name, dtype, shape).
     key: tuple
+    #: The nodes of the fragments the tree refers to, by id.
+    fragments: dict[int, Any] = field(default_factory=dict)
+    #: Whether any tensor is on a CUDA device (as far as this flatten looked).
+    cuda: bool = False
+    #: False when a cached mapping's tensors were taken on trust: the staging copy checks each
+    #: one against the layout and raises StaleFlat on a mismatch.
+    trusted: bool = True
 
 
 def _path(parent: str, key: object) -> str:
     return f"{parent}/{key}" if parent else str(key)
 
 
+class Flattener:
+    """``flatten`` that remembers the large tensor mappings of the previous call.
+
+    A training loop saves the same state over and over: at 20,000 tensors walking it costs
+    more than copying it. A mapping of FRAGMENT_MIN or more tensors under str keys becomes a
+    fragment; the next flatten that finds the same keys at the same key path reuses its names
+    and tree node without looking at a tensor. The tensors' dtypes, shapes, devices and
+    layouts are checked later, by the staging copy, against the layout (Flat.trusted is
+    False); on a mismatch the caller flattens again with ``trust=False``.
+
+    Fragments not met by a flatten are dropped; their ids are handed out by take_retired()
+    so the daemon can forget their encoded trees.
+    """
+
+    def __init__(self) -> None:
+        self._fragments: dict[str, Fragment] = {}
+        self._retired: list[int] = []
+
+    def flatten(self, state: Any, *, trust: bool = True) -> Flat:
+        met: dict[str, Fragment] = {}
+        flat = _flatten(state, self._fragments if trust else {}, met)
+        self._retired.extend(f.id for path, f in self._fragments.items() if met.get(path) is not f)
+        self._fragments = met
+        return flat
+
+    def take_retired(self) -> list[int]:
+        """Ids of fragments dropped since the last call, ascending."""
+        ids, self._retired = sorted(self._retired), []
+        return ids
+
+
 def flatten(state: Any) -> Flat:
     """Walk ``state``; refuse what cannot be saved, naming its key path."""
+    return _flatten(state, None, None)
+
+
+def _flatten(
+    state: Any, known: dict[str, Fragment] | None, met: dict[str, Fragment] | None
+) -> Flat:
+    """The walk. With ``met``, large tensor mappings become fragments, reused from ``known``
+    when their keys match and recorded in ``met``."""
     if not isinstance(state, Mapping) and not is_stateful(state):
         raise UnsupportedValueError("", f"the state must be a mapping, not {type(state).__name__}")
     names: list[str] = []
     tensors: list[torch.Tensor] = []
-    shapes: list[tuple[torch.dtype, torch.Size]] = []
+    key: list[Any] = []
+    fragments: dict[int, Any] = {}
     seen: set[str] = set()
     active: set[int] = set()
+    cuda = False
+    trusted = True
+    new_fragments: dict[str, Fragment] = {}
 
     def walk(value: Any, path: str, depth: int = 0) -> Any:
         if isinstance(value, torch.Tensor):
@@ -104,19 +180,11 @@ def flatten(state: Any) -> Flat:
         active.add(id(value))
         try:
             if isinstance(value, Mapping):
-                # The hot loop of a big state dict: tensor values and str keys go straight
-                # through, without a recursive call or the full key check.
-                items = []
-                prefix = f"{path}/" if path else ""
-                for k, v in value.items():
-                    if type(k) is not str or "\x00" in k:
-                        check_key(k, path)
-                    child = f"{prefix}{k}"
-                    if isinstance(v, torch.Tensor):
-                        items.append([k, {"T": add_tensor(v, child)}])
-                    else:
-                        items.append([k, walk(v, child, depth + 1)])
-                return {"D": items}
+                if met is not None and len(value) >= FRAGMENT_MIN:
+                    ref = fragment(value, path)
+                    if ref is not None:
+                        return ref
+                return mapping(value, path, depth)
             if isinstance(value, list):
                 return {"L": [walk(v, _path(path, i), depth + 1) for i, v in enumerate(value)]}
             if isinstance(value, tuple):
@@ -134,6 +202,57 @@ def flatten(state: Any) -> Flat:
             "(tensors, JSON values, and objects with state_dict()/load_state_dict() can)",
         )
 
+    def mapping(value: Mapping, path: str, depth: int) -> dict[str, Any]:
+        # The hot loop of a big state dict: tensor values and str keys go straight through,
+        # without a recursive call or the full key check.
+        items = []
+        prefix = f"{path}/" if path else ""
+        for k, v in value.items():
+            if type(k) is not str or "\x00" in k:
+                check_key(k, path)
+            child = f"{prefix}{k}"
+            if isinstance(v, torch.Tensor):
+                items.append([k, {"T": add_tensor(v, child)}])
+            else:
+                items.append([k, walk(v, child, depth + 1)])
+        return {"D": items}
+
+    def fragment(value: Mapping, path: str) -> dict[str, Any] | None:
+        """The mapping as a fragment reference, or None when it is not all tensors."""
+        nonlocal cuda, trusted
+        keys = tuple(value)
+        values = list(value.values())
+        if not set(map(type, values)) <= _PLAIN_TENSORS or set(map(type, keys)) != {str}:
+            return None
+        assert known is not None
+        assert met is not None
+        frag = known.get(path)
+        if frag is not None and frag.keys == keys:
+            n = len(seen)
+            seen.update(frag.names)
+            if len(seen) != n + len(frag.names):
+                prior = set(names)
+                name = next(x for x in frag.names if x in prior)
+                raise UnsupportedValueError(
+                    name, "two keys flatten to this tensor name (e.g. int 0 and str '0')"
+                )
+            names.extend(frag.names)
+            tensors.extend(values)
+            trusted = False
+            cuda = cuda or frag.cuda
+        else:
+            first, was_cuda = len(names), cuda
+            cuda = False
+            node = mapping(value, path, 0)
+            frag = Fragment(next(_fragment_ids), keys, tuple(names[first:]), node, cuda)
+            cuda = cuda or was_cuda
+            del key[len(key) - len(frag.names) :]  # the fragment's id stands for its tensors
+            new_fragments[path] = frag
+        met[path] = frag
+        key.append(frag.id)
+        fragments[frag.id] = frag.node
+        return {"R": frag.id}
+
     def check_key(key: Any, path: str) -> Any:
         if isinstance(key, bool) or not isinstance(key, (str, int)):
             raise UnsupportedValueError(
@@ -147,7 +266,8 @@ def flatten(state: Any) -> Flat:
 
     def add_tensor(t: torch.Tensor, path: str) -> str:
         # The hot loop at 20k tensors: few attribute reads, no detach (copy_ runs under
-        # no_grad), and (dtype, shape) kept for the layout cache's key.
+        # no_grad), and (name, dtype, shape) kept for the layout cache's key.
+        nonlocal cuda
         dtype = t.dtype
         if (
             dtype not in TORCH_TO_ST
@@ -160,10 +280,12 @@ def flatten(state: Any) -> Flat:
             raise UnsupportedValueError(
                 path, "two keys flatten to this tensor name (e.g. int 0 and str '0')"
             )
+        if not t.is_cpu:
+            cuda = True
         seen.add(path)
         names.append(path)
         tensors.append(t)
-        shapes.append((dtype, t.shape))
+        key.append((path, dtype, t.shape))
         return path
 
     # A state tree is thousands of fresh lists and dicts: the cyclic GC would walk them again
@@ -175,7 +297,7 @@ def flatten(state: Any) -> Flat:
     finally:
         if gc_was_enabled:
             gc.enable()
-    return Flat(names, tensors, tree, (tuple(names), tuple(shapes)))
+    return Flat(names, tensors, tree, tuple(key), fragments, cuda, trusted)
 
 
 def _tensor_problem(t: torch.Tensor) -> str:

@@ -128,5 +128,10 @@ class DistributedSaveError(CheckpointError, RuntimeError):
         self.ranks = list(ranks or [])
 
 
+class StateChangedError(CheckpointError, RuntimeError):
+    """The state changed (a tensor's dtype, shape or device) while save() was copying it, as
+    when another thread modifies it; nothing was written."""
+
+
 class ManagerClosedError(CheckpointError, RuntimeError):
     """The manager is not open: used before ``async with`` or after it closed."""

@@ -42,10 +42,10 @@ async def staging(root: str) -> None:
     """Killed while copying into the slab: the save never reached the daemon."""
     original = Slab.copy_in
 
-    def slow_copy_in(self: Slab, layout, tensors) -> None:  # type: ignore[no-untyped-def]
+    def slow_copy_in(self: Slab, *args) -> None:  # type: ignore[no-untyped-def]
         say("COPYING")
         time.sleep(120)  # hold the copy open: the test kills us inside it
-        original(self, layout, tensors)
+        original(self, *args)
 
     async with AsyncCheckpointManager(root) as mgr:
         await (await mgr.save(1, {"w": torch.arange(10)}))

@@ -1,0 +1,243 @@
+"""Saving the same state again reuses what the previous save learned about it.
+
+A mapping of many tensors is flattened once and reused while its keys stay the same; each
+tensor's dtype, shape, device and layout are checked against the cached layout as it is copied.
+These tests change a state in every way that keeps its keys and check that the checkpoint
+still holds exactly what the state held at the time of the call, or that the save is refused
+as a fresh save would be.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from aiockpt import AsyncCheckpointManager
+from aiockpt import _format as fmt
+from aiockpt._state import FRAGMENT_MIN, Flattener, flatten
+from aiockpt.errors import UnsupportedValueError
+
+pytestmark = pytest.mark.anyio
+
+N = FRAGMENT_MIN * 3
+
+
+def make_state(n: int = N, numel: int = 5) -> dict[str, torch.Tensor]:
+    return {f"w{i:03d}": torch.arange(numel, dtype=torch.float32) + i for i in range(n)}
+
+
+def assert_same(loaded: dict, state: dict) -> None:
+    assert list(loaded) == list(state)
+    for k, v in state.items():
+        if isinstance(v, dict):
+            assert_same(loaded[k], v)
+        else:
+            assert loaded[k].dtype == v.dtype, k
+            assert loaded[k].shape == v.shape, k
+            assert torch.equal(loaded[k], v), k
+
+
+def manifest(root: str, step: int) -> dict:
+    with open(os.path.join(root, fmt.step_dirname(step), fmt.MANIFEST)) as f:
+        return json.load(f)
+
+
+async def save_and_load(mgr: AsyncCheckpointManager, step: int, state: dict) -> dict:
+    await (await mgr.save(step, state))
+    return await mgr.load(step)
+
+
+async def test_unchanged_state_saved_again_round_trips(root):
+    state = make_state()
+    async with AsyncCheckpointManager(root) as mgr:
+        for step in range(3):
+            for t in state.values():
+                t.add_(1)
+            assert_same(await save_and_load(mgr, step, state), state)
+
+
+async def test_shape_changed_in_place(root):
+    state = make_state()
+    async with AsyncCheckpointManager(root) as mgr:
+        await (await mgr.save(0, state))
+        state["w007"].unsqueeze_(0)  # same object, same key, new shape
+        state["w020"].resize_(2)
+        assert_same(await save_and_load(mgr, 1, state), state)
+    assert manifest(root, 1)["tensors"][fmt.shard_filename(0)]["w007"]["shape"] == [1, 5]
+
+
+async def test_dtype_changed_through_data(root):
+    state = make_state()
+    async with AsyncCheckpointManager(root) as mgr:
+        await (await mgr.save(0, state))
+        state["w003"].data = state["w003"].data.to(torch.float64)
+        state["w004"].data = state["w004"].data.to(torch.int8)
+        assert_same(await save_and_load(mgr, 1, state), state)
+
+
+async def test_same_sizes_shuffled_between_keys(root):
+    """Total bytes and per-run sizes equal, shapes swapped: only a per-tensor check sees it."""
+    state = make_state()
+    state["w001"] = torch.zeros(2, 3)
+    state["w002"] = torch.ones(3, 2)
+    async with AsyncCheckpointManager(root) as mgr:
+        await (await mgr.save(0, state))
+        state["w001"], state["w002"] = torch.ones(3, 2), torch.zeros(2, 3)
+        assert_same(await save_and_load(mgr, 1, state), state)
+
+
+async def test_values_replaced_by_new_tensors(root):
+    state = make_state()
+    async with AsyncCheckpointManager(root) as mgr:
+        await (await mgr.save(0, state))
+        state = {k: torch.full((3,), float(i)) for i, k in enumerate(state)}
+        assert_same(await save_and_load(mgr, 1, state), state)
+
+
+async def test_non_contiguous_values_after_contiguous_ones(root):
+    state = make_state(numel=6)
+    async with AsyncCheckpointManager(root) as mgr:
+        await (await mgr.save(0, state))
+        for k in list(state)[::2]:
+            state[k] = torch.arange(12, dtype=torch.float32)[::2] * 3
+        assert_same(await save_and_load(mgr, 1, state), state)
+
+
+@pytest.mark.parametrize(
+    ("replacement", "message"),
+    [
+        (lambda: torch.empty(5, device="meta"), "tensors on meta are not supported"),
+        (lambda: torch.ones(5).to_sparse(), "only dense tensors"),
+        (lambda: 3 + 4j, "values of type builtins.complex cannot be saved"),
+    ],
+)
+async def test_unsavable_value_under_a_known_key_is_refused(root, replacement, message):
+    state = make_state()
+    async with AsyncCheckpointManager(root) as mgr:
+        await (await mgr.save(0, state))
+        state["w011"] = replacement()
+        with pytest.raises(UnsupportedValueError, match=message) as exc:
+            await mgr.save(1, state)
+        assert exc.value.path == "w011"
+        assert await mgr.steps() == [0]
+        assert not os.path.exists(os.path.join(root, fmt.step_dirname(1)))
+        state["w011"] = torch.zeros(5)
+        assert_same(await save_and_load(mgr, 1, state), state)  # and the manager goes on
+
+
+async def test_dtype_without_safetensors_name_through_data_is_refused(root):
+    state = make_state()
+    async with AsyncCheckpointManager(root) as mgr:
+        await (await mgr.save(0, state))
+        state["w005"].data = torch.zeros(5, dtype=torch.complex128)
+        with pytest.raises(UnsupportedValueError, match="complex128") as exc:
+            await mgr.save(1, state)
+        assert exc.value.path == "w005"
+
+
+async def test_keys_added_removed_and_reordered(root):
+    state = make_state()
+    async with AsyncCheckpointManager(root) as mgr:
+        await (await mgr.save(0, state))
+        state["new"] = torch.ones(2)
+        del state["w000"]
+        assert_same(await save_and_load(mgr, 1, state), state)
+        state = dict(reversed(list(state.items())))
+        assert_same(await save_and_load(mgr, 2, state), state)
+
+
+async def test_nested_mappings_and_plain_values_around_them(root):
+    state = {"model": make_state(), "optim": {"lr": 0.1, "step": 0}, "head": make_state(n=3)}
+    async with AsyncCheckpointManager(root) as mgr:
+        for step in range(3):
+            state["optim"]["step"] = step
+            state["model"]["w001"].mul_(2)
+            loaded = await save_and_load(mgr, step, state)
+            assert loaded["optim"] == {"lr": 0.1, "step": step}
+            assert_same(loaded["model"], state["model"])
+            assert_same(loaded["head"], state["head"])
+
+
+async def test_name_collision_with_a_cached_mapping_is_refused(root):
+    state = {"a": make_state()}
+    async with AsyncCheckpointManager(root) as mgr:
+        await (await mgr.save(0, state))
+        state["a/w001"] = torch.ones(1)  # flattens to the same name as state["a"]["w001"]
+        with pytest.raises(UnsupportedValueError, match="two keys flatten to this tensor name"):
+            await mgr.save(1, state)
+
+
+async def test_state_changed_between_two_pending_saves(root):
+    """The first save's mapping is replaced while it is still being written."""
+    state = make_state(numel=1000)
+    async with AsyncCheckpointManager(root, max_pending=2) as mgr:
+        first = await mgr.save(0, state)
+        changed = dict(state, extra=torch.ones(3))
+        second = await mgr.save(1, changed)
+        third = await mgr.save(2, state)
+        await first, await second, await third
+        assert_same(await mgr.load(0), state)
+        assert_same(await mgr.load(1), changed)
+        assert_same(await mgr.load(2), state)
+
+
+async def test_daemon_restarted_between_saves_of_the_same_state(root):
+    state = make_state()
+    async with AsyncCheckpointManager(root) as mgr:
+        await (await mgr.save(0, state))
+        mgr._daemon.proc.kill()
+        mgr._daemon.proc.wait()
+        for _ in range(100):  # let the manager's reader see the pipe close
+            if not mgr._daemon.alive:
+                break
+            await __import__("anyio").sleep(0.01)
+        assert_same(await save_and_load(mgr, 1, state), state)
+
+
+# ---------------------------------------------------------------------------- units
+
+
+def test_flattener_reuses_and_retires_mappings():
+    memo = Flattener()
+    state = {"model": make_state(), "other": make_state()}
+    first = memo.flatten(state)
+    again = memo.flatten(state)
+    assert again.key == first.key
+    assert again.tree == first.tree
+    assert not again.trusted
+    assert first.trusted
+    assert set(again.fragments) == set(first.fragments)
+    assert len(first.fragments) == 2
+    del state["other"]
+    third = memo.flatten(state)
+    retired = set(first.fragments) - set(third.fragments)
+    assert len(retired) == 1
+    assert memo.take_retired() == sorted(retired)
+    assert memo.take_retired() == []
+    # A refused state leaves the cache as it was.
+    state["bad"] = object()
+    with pytest.raises(UnsupportedValueError):
+        memo.flatten(state)
+    del state["bad"]
+    assert memo.flatten(state).key == third.key
+
+
+def test_small_mappings_are_not_cached():
+    memo = Flattener()
+    flat = memo.flatten({"a": make_state(n=FRAGMENT_MIN - 1)})
+    assert flat.fragments == {}
+
+
+def test_wire_tree_expands_to_the_plain_tree():
+    state = {"m": make_state(), "x": [1.5, {"y": "z"}], "n": {"k": make_state()}}
+    plain = flatten(state)
+    assert plain.fragments == {}
+    wire = Flattener().flatten(state)
+    texts = {i: fmt.encode_tree(node, {}) for i, node in wire.fragments.items()}
+    assert json.loads(fmt.encode_tree(wire.tree, texts)) == plain.tree
+    assert fmt.encode_tree(plain.tree, {}) == json.dumps(
+        plain.tree, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    )
