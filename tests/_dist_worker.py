@@ -92,7 +92,29 @@ async def replicated(rank: int, world: int, root: str) -> dict:
     return {}
 
 
-SCENARIOS = {f.__name__: f for f in (save_load, kill_daemon, mismatch, replicated)}
+async def late_refusal(rank: int, world: int, root: str) -> dict:
+    """A tensor of a reused mapping turns unsavable in place: only the copy finds out, after
+    every rank agreed to save the step."""
+    state = {"model": {f"w{i:02d}": torch.full((4,), float(rank)) for i in range(32)}}
+    result: dict = {}
+    async with AsyncCheckpointManager(root, dist_timeout=60) as mgr:
+        await (await mgr.save(1, state))
+        if rank == world - 1:
+            state["model"]["w03"].data = torch.zeros(4, dtype=torch.complex128)
+        t0 = time.monotonic()
+        try:
+            await (await mgr.save(2, state))
+            result["second"] = "committed"
+        except Exception as e:
+            result["second"] = err(e)
+        result["seconds"] = time.monotonic() - t0
+        state["model"]["w03"] = torch.zeros(4)
+        await (await mgr.save(3, state))
+        result["steps"] = await mgr.steps()
+    return result
+
+
+SCENARIOS = {f.__name__: f for f in (save_load, kill_daemon, mismatch, replicated, late_refusal)}
 
 
 def main() -> None:

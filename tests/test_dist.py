@@ -86,6 +86,18 @@ def test_mismatched_steps_and_one_sided_refusals_fail_on_every_rank(tmp_path):
     assert results[0]["refused"]["ranks"] == [1]
 
 
+def test_refusal_found_while_copying_fails_every_rank_quickly(tmp_path):
+    root = str(tmp_path / "run")
+    r0, r1 = run_ranks("late_refusal", 2, tmp_path, root)
+    assert r1["second"]["type"] == "UnsupportedValueError"
+    assert "model/w03" in r1["second"]["message"]
+    assert r0["second"]["type"] == "DistributedSaveError"
+    assert r0["second"]["ranks"] == [1]
+    assert r0["seconds"] < 30  # told by rank 1, long before the 60 s deadline
+    assert r0["steps"] == r1["steps"] == [1, 3]
+    assert not os.path.exists(os.path.join(root, "step_000000000002", "manifest.json"))
+
+
 @pytest.mark.anyio
 async def test_replicated_state_loads_on_another_world_size(tmp_path):
     root = str(tmp_path / "run")

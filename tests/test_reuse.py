@@ -12,13 +12,15 @@ from __future__ import annotations
 import json
 import os
 
+import anyio
 import pytest
 import torch
 
 from aiockpt import AsyncCheckpointManager
 from aiockpt import _format as fmt
+from aiockpt._staging import Slab
 from aiockpt._state import FRAGMENT_MIN, Flattener, flatten
-from aiockpt.errors import UnsupportedValueError
+from aiockpt.errors import StateChangedError, UnsupportedValueError
 
 pytestmark = pytest.mark.anyio
 
@@ -193,8 +195,26 @@ async def test_daemon_restarted_between_saves_of_the_same_state(root):
         for _ in range(100):  # let the manager's reader see the pipe close
             if not mgr._daemon.alive:
                 break
-            await __import__("anyio").sleep(0.01)
+            await anyio.sleep(0.01)
         assert_same(await save_and_load(mgr, 1, state), state)
+
+
+async def test_state_changed_by_another_thread_during_the_copy(root, monkeypatch):
+    """The flatten was exact, but the tensors changed before the copy got to them."""
+    state = {"a": torch.ones(4), "b": torch.zeros(2)}  # too few tensors to be cached
+    original = Slab.copy_in
+
+    def meddling_copy_in(self, *args):  # what another thread could do meanwhile
+        state["b"].resize_(3)
+        return original(self, *args)
+
+    async with AsyncCheckpointManager(root) as mgr:
+        monkeypatch.setattr(Slab, "copy_in", meddling_copy_in)
+        with pytest.raises(StateChangedError, match="changed while it was being copied"):
+            await mgr.save(0, state)
+        monkeypatch.setattr(Slab, "copy_in", original)
+        assert await mgr.steps() == []
+        assert_same(await save_and_load(mgr, 0, state), state)
 
 
 # ---------------------------------------------------------------------------- units
