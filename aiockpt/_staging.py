@@ -218,9 +218,9 @@ def _runs(layout: Layout, data: torch.Tensor) -> list[tuple[int, int, torch.Tens
     return runs
 
 
-#: A range of tensors in flatten order, the slab region to torch.cat it into when it is a run,
-#: and the shapes and dtypes the sources must have.
-Piece = tuple[int, int, "torch.Tensor | None", tuple, tuple]
+#: A range of tensors in flatten order; the slab region to torch.cat it into when it is a run
+#: of 1-D tensors; the shapes and dtypes the sources must have; and for a run, their sizes.
+Piece = tuple[int, int, "torch.Tensor | None", tuple, tuple, tuple]
 
 #: Tensors per piece: one thread checks a piece (holding the GIL) while the other copies.
 PIECE = 256
@@ -249,7 +249,9 @@ def _plan(layout: Layout, data: torch.Tensor) -> tuple[list[Piece], list[Piece]]
                 lo = (specs[order[c]].start - base) // itemsize
                 hi = (specs[order[d - 1]].end - base) // itemsize
                 sub = region[lo:hi]
-            pieces.append((c, d, sub, layout.shapes[c:d], layout.dtypes[c:d]))
+            shapes = layout.shapes[c:d]
+            sizes = tuple(s[0] for s in shapes) if sub is not None else ()
+            pieces.append((c, d, sub, shapes, layout.dtypes[c:d], sizes))
     total = sum(s.nbytes for s in specs)
     if n < PIECE or total < (1 << 20):
         return pieces, []
@@ -266,6 +268,9 @@ _SHAPE = operator.attrgetter("shape")
 _LAYOUT = operator.attrgetter("layout")
 _IS_CPU = operator.attrgetter("is_cpu")
 _STRIDED = frozenset({torch.strided})
+_DIM = torch.Tensor.dim
+_NUMEL = torch.Tensor.numel
+_ONE = frozenset({1})
 
 
 def _matches(run: list[torch.Tensor], shapes: tuple, dtypes: tuple, *, cpu_only: bool) -> bool:
@@ -280,14 +285,28 @@ def _matches(run: list[torch.Tensor], shapes: tuple, dtypes: tuple, *, cpu_only:
 
 def _copy_pieces(pieces: list[Piece], dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     with torch.no_grad():
-        for a, b, region, shapes, dtypes in pieces:
+        for a, b, region, shapes, dtypes, sizes in pieces:
             run = srcs[a:b]
-            if not _matches(run, shapes, dtypes, cpu_only=True):
-                raise StaleFlat
-            if region is not None:
-                torch.cat(run, out=region)  # one kernel instead of b - a dispatches
-            else:
+            if region is None:
+                if not _matches(run, shapes, dtypes, cpu_only=True):
+                    raise StaleFlat
                 torch._foreach_copy_(dsts[a:b], run)
+                continue
+            # A run of 1-D tensors, copied by one torch.cat instead of b - a dispatches. Its
+            # check is cheaper: dtype, dims and sizes here (half the cost of comparing shapes);
+            # torch.cat itself refuses other devices and layouts.
+            if (
+                tuple(map(_DTYPE, run)) != dtypes
+                or not _ONE.issuperset(map(_DIM, run))
+                or tuple(map(_NUMEL, run)) != sizes
+            ):
+                raise StaleFlat
+            try:
+                torch.cat(run, out=region)
+            except (RuntimeError, NotImplementedError) as e:
+                if not _matches(run, shapes, dtypes, cpu_only=True):
+                    raise StaleFlat from e
+                raise
 
 
 _helper = ThreadPoolExecutor(1, thread_name_prefix="aiockpt-copy")
