@@ -40,7 +40,7 @@ from ._channel import (
     Stop,
 )
 from ._staging import Layout, LayoutCache, Slab, SlabPool
-from ._state import ST_TO_TORCH, Flat, Flattener, StaleFlat, flatten, load_into, unflatten
+from ._state import ST_TO_TORCH, Flat, Flattener, StaleFlat, load_into, unflatten
 from .errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -701,8 +701,8 @@ class AsyncCheckpointManager:
         """
         slab = None
         try:
-            layout = self._layouts.get(flatten(into))
-        except CheckpointError:
+            layout = self._layouts.get(self._flattener.flatten(into, remember=False))
+        except (CheckpointError, StaleFlat):
             layout = None  # not a savable state: read into a fresh segment instead
         if layout is not None:
             slab = await self._pool.acquire(layout.file_size, layout.id)
@@ -813,13 +813,28 @@ def _map_loaded(reply: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def _views(u8: torch.Tensor, specs: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Each loaded tensor as a view of the bytes the daemon read."""
-    tensors = {}
-    for key, (dtype_name, shape, offset) in specs.items():
-        dtype = ST_TO_TORCH[dtype_name]
+    """Each loaded tensor as a view of the bytes the daemon read.
+
+    Tensors of one dtype that lie back to back are cut from one typed view by a single
+    split_with_sizes: at 20k tensors, a slice and two views per tensor took 70-120 ms.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    by_offset = sorted(specs.items(), key=lambda item: item[1][2])
+    i, n = 0, len(by_offset)
+    while i < n:
+        key, (dtype_name, shape, start) = by_offset[i]
         itemsize = fmt.DTYPE_SIZES[dtype_name]
-        if offset % itemsize:
+        if start % itemsize:
             raise CorruptCheckpointError(f"tensor {key!r} is not aligned to its item size", key=key)
-        nbytes = math.prod(shape) * itemsize
-        tensors[key] = u8[offset : offset + nbytes].view(dtype).view(shape)
+        sizes = [math.prod(shape)]
+        end = start + sizes[0] * itemsize
+        j = i + 1
+        while j < n and by_offset[j][1][0] == dtype_name and by_offset[j][1][2] == end:
+            sizes.append(math.prod(by_offset[j][1][1]))
+            end += sizes[-1] * itemsize
+            j += 1
+        parts = u8[start:end].view(ST_TO_TORCH[dtype_name]).split_with_sizes(sizes)
+        for (name, (_, shp, _)), part in zip(by_offset[i:j], parts, strict=True):
+            tensors[name] = part if len(shp) == 1 else part.view(shp)
+        i = j
     return tensors

@@ -125,11 +125,15 @@ class Flattener:
         self._fragments: dict[str, Fragment] = {}
         self._retired: list[int] = []
 
-    def flatten(self, state: Any, *, trust: bool = True) -> Flat:
+    def flatten(self, state: Any, *, trust: bool = True, remember: bool = True) -> Flat:
+        """Flatten ``state``; with ``remember`` False the cache is consulted but left as it
+        was (a load looking up the layout of the state it restores into)."""
         met: dict[str, Fragment] = {}
         flat = _flatten(state, self._fragments if trust else {}, met)
-        self._retired.extend(f.id for path, f in self._fragments.items() if met.get(path) is not f)
-        self._fragments = met
+        if remember:
+            gone = [f.id for path, f in self._fragments.items() if met.get(path) is not f]
+            self._retired.extend(gone)
+            self._fragments = met
         return flat
 
     def take_retired(self) -> list[int]:
@@ -333,7 +337,6 @@ def load_into(
     target: Any,
     tree: Any,
     tensors: Mapping[str, torch.Tensor],
-    path: str = "",
     *,
     owned: bool = True,
 ) -> Any:
@@ -342,6 +345,22 @@ def load_into(
     Tensors are copied into the target's tensors; anything else gets ``tensors`` themselves,
     or clones of them when they are not ``owned`` (views of a buffer that will be reused).
     """
+    copies: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+    result = _restore(target, tree, tensors, "", owned, copies)
+    if copies[0]:
+        with torch.no_grad():
+            torch._foreach_copy_(*copies)  # one call for every tensor restored in place
+    return result
+
+
+def _restore(
+    target: Any,
+    tree: Any,
+    tensors: Mapping[str, torch.Tensor],
+    path: str,
+    owned: bool,
+    copies: tuple[list[torch.Tensor], list[torch.Tensor]],
+) -> Any:
     fresh = tensors if owned else _Cloning(tensors)
     tag, body = next(iter(tree.items()))
     if isinstance(target, torch.Tensor):
@@ -353,8 +372,8 @@ def load_into(
                 f"{path or '<root>'}: saved {src.dtype}{list(src.shape)} does not fit "
                 f"{target.dtype}{list(target.shape)}"
             )
-        with torch.no_grad():
-            target.copy_(src)
+        copies[0].append(target)
+        copies[1].append(src)
         return target
     if is_stateful(target):
         inner = body if tag == "S" else tree
@@ -365,13 +384,13 @@ def load_into(
     if isinstance(target, dict) and tag == "D":
         for k, node in body:
             if k in target:
-                target[k] = load_into(target[k], node, tensors, _path(path, k), owned=owned)
+                target[k] = _restore(target[k], node, tensors, _path(path, k), owned, copies)
             else:
                 target[k] = unflatten(node, fresh)
         return target
     if isinstance(target, list) and tag in ("L", "U") and len(target) == len(body):
         for i, node in enumerate(body):
-            target[i] = load_into(target[i], node, tensors, _path(path, i), owned=owned)
+            target[i] = _restore(target[i], node, tensors, _path(path, i), owned, copies)
         return target
     return unflatten({tag: body}, fresh)
 

@@ -245,6 +245,15 @@ def test_flattener_reuses_and_retires_mappings():
     assert memo.flatten(state).key == third.key
 
 
+def test_a_flatten_that_does_not_remember_leaves_the_cache_alone():
+    memo = Flattener()
+    state = {"model": make_state()}
+    first = memo.flatten(state)
+    memo.flatten({"other": make_state()}, remember=False)  # as load(into=...) does
+    assert memo.take_retired() == []
+    assert memo.flatten(state).key == first.key
+
+
 def test_small_mappings_are_not_cached():
     memo = Flattener()
     flat = memo.flatten({"a": make_state(n=FRAGMENT_MIN - 1)})
