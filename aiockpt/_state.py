@@ -10,6 +10,9 @@ The tree keeps the state's exact nesting in JSON, one tagged node per value:
     {"V": value}             int, str, bool, None or a finite float
     {"F": "nan"|"inf"|"-inf"} a non-finite float (JSON has no literal for it)
 
+and, only on the pipe to the daemon, ``{"R": id}`` for a mapping of tensors sent before (see
+Flattener); the daemon splices it back in, so a stored tree never holds one.
+
 Tensor names are the key path joined by "/", so a checkpoint opened with safetensors reads as
 ``model/layer.weight``. Nothing is pickled: any other value is refused with its key path.
 """
@@ -162,7 +165,6 @@ def _flatten(
     active: set[int] = set()
     cuda = False
     trusted = True
-    new_fragments: dict[str, Fragment] = {}
 
     def walk(value: Any, path: str, depth: int = 0) -> Any:
         if isinstance(value, torch.Tensor):
@@ -251,7 +253,6 @@ def _flatten(
             frag = Fragment(next(_fragment_ids), keys, tuple(names[first:]), node, cuda)
             cuda = cuda or was_cuda
             del key[len(key) - len(frag.names) :]  # the fragment's id stands for its tensors
-            new_fragments[path] = frag
         met[path] = frag
         key.append(frag.id)
         fragments[frag.id] = frag.node
