@@ -59,8 +59,9 @@ class SaveReq:
     #: State-tree fragments the daemon does not hold yet, by id: the tree refers to a fragment
     #: as ``{"R": id}`` and the daemon splices in its encoded text (see _state.Flattener).
     fragments: dict[int, Any] = field(default_factory=dict)
-    #: Fragments no later request will refer to.
+    #: Fragments and layouts no later request will refer to.
     forget_fragments: tuple[int, ...] = ()
+    forget_layouts: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

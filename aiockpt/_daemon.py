@@ -207,10 +207,12 @@ class Daemon:
             for i, node in req.fragments.items():
                 self.fragments[i] = fmt.encode_tree(node, {})
             tree = fmt.encode_tree(req.tree, self.fragments)
+            layout = self.layouts[req.layout_id]
             for i in req.forget_fragments:
                 self.fragments.pop(i, None)
+            for i in req.forget_layouts:
+                self.layouts.pop(i, None)
             self.forget(req.forget)
-            layout = self.layouts[req.layout_id]
             seg = self.slab(req.slab, req.slab_size)
             if self.storage.exists(f"{step_dir}/{fmt.MANIFEST}"):
                 raise StepExistsError(f"step {req.step} is already committed in {self.storage.url}")

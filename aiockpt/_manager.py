@@ -168,9 +168,11 @@ class AsyncCheckpointManager:
         self._pool = SlabPool(max_pending)
         self._layouts = LayoutCache()
         self._flattener = Flattener()
-        #: Flats of the saves between flatten and their request reaching the daemon, by uuid.
-        self._unsent: dict[str, Flat] = {}
+        #: The flat and layout id of each save between flatten and its request reaching the
+        #: daemon, by uuid: what the daemon must not be told to forget yet.
+        self._unsent: dict[str, tuple[Flat, int | None]] = {}
         self._retired_fragments: set[int] = set()
+        self._retired_layouts: set[int] = set()
         self._pending: dict[str, SaveHandle] = {}
         self._in_flight_steps: set[int] = set()
         self._committed: set[int] = set()
@@ -516,7 +518,7 @@ class AsyncCheckpointManager:
                 raise refused
             d = await self._live_daemon()
             self._in_flight_steps.add(step)
-            self._unsent[handle.uuid] = flat
+            self._unsent[handle.uuid] = (flat, None)
             sent = False
             try:
                 flat, layout, slab = await self._stage(state, flat, handle.uuid)
@@ -537,7 +539,7 @@ class AsyncCheckpointManager:
                         metadata=clean_metadata,
                         forget=self._pool.take_forgotten(),
                         fragments=new_fragments,
-                        forget_fragments=self._forgettable_fragments(d),
+                        **self._forgettable(d),
                     )
                     if not d.alive:
                         raise DaemonDiedError(
@@ -547,6 +549,7 @@ class AsyncCheckpointManager:
                     d.chan.send(req)
                     sent = True
                     d.layouts_sent.add(layout.id)
+                    d.layouts_sent.difference_update(req.forget_layouts)
                     d.fragments_sent.update(new_fragments)
                     d.fragments_sent.difference_update(req.forget_fragments)
                 except BaseException:
@@ -590,6 +593,7 @@ class AsyncCheckpointManager:
         while True:
             try:
                 layout = self._layouts.get(flat)
+                self._unsent[uuid] = (flat, layout.id)
                 slab = await self._pool.acquire(layout.file_size, layout.id)
                 try:
                     await anyio.to_thread.run_sync(slab.copy_in, layout, flat.tensors, flat.cuda)
@@ -603,18 +607,27 @@ class AsyncCheckpointManager:
                         "the state changed while it was being copied (is another thread "
                         "modifying it?); nothing was written"
                     ) from None
-                flat = self._unsent[uuid] = self._flattener.flatten(state, trust=False)
+                flat = self._flattener.flatten(state, trust=False)
+                self._unsent[uuid] = (flat, None)
 
-    def _forgettable_fragments(self, d: _Daemon) -> tuple[int, ...]:
-        """Fragments the daemon may drop: retired by the flattener, and not referred to by a
-        save that has not reached the daemon yet."""
+    def _forgettable(self, d: _Daemon) -> dict[str, tuple[int, ...]]:
+        """Fragments and layouts the daemon may drop: retired by the flattener or evicted from
+        the layout cache, and not referred to by a save that has not reached the daemon yet."""
         self._retired_fragments.update(self._flattener.take_retired())
-        live: set[int] = set()
-        for flat in self._unsent.values():
-            live.update(flat.fragments)
-        gone = self._retired_fragments - live
-        self._retired_fragments -= gone
-        return tuple(sorted(gone & d.fragments_sent))
+        self._retired_layouts.update(self._layouts.take_evicted())
+        live_fragments: set[int] = set()
+        live_layouts: set[int | None] = set()
+        for flat, layout_id in self._unsent.values():
+            live_fragments.update(flat.fragments)
+            live_layouts.add(layout_id)
+        fragments = self._retired_fragments - live_fragments
+        layouts = self._retired_layouts - live_layouts
+        self._retired_fragments -= fragments
+        self._retired_layouts -= layouts
+        return {
+            "forget_fragments": tuple(sorted(fragments & d.fragments_sent)),
+            "forget_layouts": tuple(sorted(layouts & d.layouts_sent)),
+        }
 
     def _check_step(self, step: Any) -> None:
         if isinstance(step, bool) or not isinstance(step, int):

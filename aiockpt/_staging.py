@@ -61,6 +61,7 @@ class LayoutCache:
     def __init__(self, size: int = 8) -> None:
         self._cache: OrderedDict[tuple, Layout] = OrderedDict()
         self._size = size
+        self._evicted: list[int] = []
 
     def get(self, flat: Flat) -> Layout:
         key = flat.key
@@ -68,10 +69,15 @@ class LayoutCache:
         if layout is None:
             layout = self._cache[key] = make_layout(flat)
             if len(self._cache) > self._size:
-                self._cache.popitem(last=False)
+                self._evicted.append(self._cache.popitem(last=False)[1].id)
         else:
             self._cache.move_to_end(key)
         return layout
+
+    def take_evicted(self) -> list[int]:
+        """Ids of layouts evicted since the last call: no later lookup returns them."""
+        ids, self._evicted = self._evicted, []
+        return ids
 
 
 def make_layout(flat: Flat) -> Layout:

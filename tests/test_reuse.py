@@ -217,6 +217,24 @@ async def test_state_changed_by_another_thread_during_the_copy(root, monkeypatch
         assert_same(await save_and_load(mgr, 0, state), state)
 
 
+async def test_daemon_forgets_layouts_and_fragments_no_save_needs(root):
+    """A state whose keys change every save mints a layout and a fragment each time; the
+    daemon is told to drop the old ones, and never one that a pending save still needs."""
+    async with AsyncCheckpointManager(root, max_pending=2) as mgr:
+        handles = []
+        for step in range(30):
+            state = {f"s{step}_{i}": torch.full((3,), float(step)) for i in range(FRAGMENT_MIN)}
+            handles.append(await mgr.save(step, state))
+        for h in handles:
+            await h
+        d = mgr._daemon
+        assert len(d.layouts_sent) <= 8 + 2  # the layout cache, and what saves in flight hold
+        assert len(d.fragments_sent) <= 1 + 2
+        loaded = await mgr.load(29)
+        assert list(loaded) == [f"s29_{i}" for i in range(FRAGMENT_MIN)]
+        assert torch.equal(loaded["s29_0"], torch.full((3,), 29.0))
+
+
 # ---------------------------------------------------------------------------- units
 
 
