@@ -15,6 +15,8 @@ import os
 import anyio
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from aiockpt import AsyncCheckpointManager
 from aiockpt import _format as fmt
@@ -88,6 +90,17 @@ async def test_same_sizes_shuffled_between_keys(root):
     async with AsyncCheckpointManager(root) as mgr:
         await (await mgr.save(0, state))
         state["w001"], state["w002"] = torch.ones(3, 2), torch.zeros(2, 3)
+        assert_same(await save_and_load(mgr, 1, state), state)
+
+
+async def test_sizes_swapped_within_a_run_of_1d_tensors(root):
+    """Back-to-back 1-D tensors are copied by one torch.cat: the same total in a different
+    split must still be seen."""
+    state = make_state()
+    state["w001"], state["w002"] = torch.zeros(2), torch.ones(4)
+    async with AsyncCheckpointManager(root) as mgr:
+        await (await mgr.save(0, state))
+        state["w001"], state["w002"] = torch.ones(4), torch.zeros(2)
         assert_same(await save_and_load(mgr, 1, state), state)
 
 
@@ -233,6 +246,62 @@ async def test_daemon_forgets_layouts_and_fragments_no_save_needs(root):
         loaded = await mgr.load(29)
         assert list(loaded) == [f"s29_{i}" for i in range(FRAGMENT_MIN)]
         assert torch.equal(loaded["s29_0"], torch.full((3,), 29.0))
+
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.int64, torch.int8, torch.bool]
+CHANGES = st.lists(
+    st.tuples(
+        st.sampled_from(
+            ["add", "unsqueeze", "resize", "dtype", "replace", "strided", "new_key", "del_key"]
+        ),
+        st.integers(0, 10**6),  # picks the key
+        st.integers(0, 7),  # a size
+        st.sampled_from(DTYPES),
+    ),
+    max_size=6,
+)
+
+
+def change(state: dict, what: str, pick: int, size: int, dtype: torch.dtype) -> None:
+    """One change of the kind a training script can make between two saves."""
+    keys = list(state)
+    key = keys[pick % len(keys)]
+    t = state[key]
+    if what == "add":
+        t.add_(1) if t.dtype is not torch.bool else t.logical_not_()
+    elif what == "unsqueeze":
+        t.unsqueeze_(0)
+    elif what == "resize":
+        t.resize_(size)
+        t.zero_()  # resize_ leaves new elements uninitialized
+    elif what == "dtype":
+        t.data = torch.ones(t.shape).to(dtype)
+    elif what == "replace":
+        state[key] = torch.arange(size).to(dtype).reshape(1, size)
+    elif what == "strided":
+        state[key] = torch.arange(2 * size).reshape(size, 2).t().to(dtype)
+    elif what == "new_key":
+        state[f"k{pick}"] = torch.full((size,), 7).to(dtype)
+    elif len(state) > 1:
+        del state[key]
+
+
+@settings(max_examples=25, deadline=None)
+@given(rounds=st.lists(CHANGES, min_size=1, max_size=4))
+def test_random_changes_between_saves_round_trip(tmp_path_factory, rounds):
+    """Whatever changes under the same keys, each checkpoint holds the state at its save."""
+    root = str(tmp_path_factory.mktemp("run"))
+
+    async def run() -> None:
+        state = {"m": make_state(n=FRAGMENT_MIN + 4, numel=3), "x": torch.ones(2)}
+        async with AsyncCheckpointManager(root) as mgr:
+            for step, changes in enumerate(rounds):
+                for what, pick, size, dtype in changes:
+                    change(state["m"], what, pick, size, dtype)
+                expected = {"m": {k: v.clone() for k, v in state["m"].items()}, "x": state["x"]}
+                assert_same(await save_and_load(mgr, step, state), expected)
+
+    anyio.run(run)
 
 
 # ---------------------------------------------------------------------------- units
