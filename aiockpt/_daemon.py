@@ -413,6 +413,7 @@ class Daemon:
                 f"identically, such as DDP-replicated weights, can be): {shown}"
             )
 
+    @fmt.no_gc
     def op_load(
         self,
         step: int | None,

@@ -690,7 +690,8 @@ class AsyncCheckpointManager:
                 reply = await self._request(
                     "load", step=step, rank=self.rank, world_size=self.world_size
                 )
-                result = unflatten(reply["tree"], _map_loaded(reply))
+                with fmt.gc_paused():  # 20k fresh views and containers: see gc_paused
+                    result = unflatten(reply["tree"], _map_loaded(reply))
             else:
                 reply, result = await self._load_into(step, into)
         except BaseException as e:
@@ -825,6 +826,7 @@ def _map_loaded(reply: dict[str, Any]) -> dict[str, torch.Tensor]:
     return _views(u8, reply["tensors"])
 
 
+@fmt.no_gc
 def _views(u8: torch.Tensor, specs: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Each loaded tensor as a view of the bytes the daemon read.
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ._format import MAX_TREE_DEPTH
+from ._format import MAX_TREE_DEPTH, no_gc
 from .errors import LoadMismatchError, UnsupportedValueError
 
 #: torch dtype <-> safetensors dtype name.
@@ -334,6 +334,7 @@ def unflatten(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     return body
 
 
+@no_gc
 def load_into(
     target: Any,
     tree: Any,
