@@ -39,7 +39,7 @@ from ._channel import (
     SlabFree,
     Stop,
 )
-from ._staging import Layout, LayoutCache, Slab, SlabPool
+from ._staging import Layout, LayoutCache, Slab, SlabPool, copy_pairs
 from ._state import ST_TO_TORCH, Flat, Flattener, StaleFlat, load_into, unflatten
 from .errors import (
     CheckpointError,
@@ -736,7 +736,9 @@ class AsyncCheckpointManager:
             else:
                 tensors, owned = _map_loaded(reply), True
             result = await anyio.to_thread.run_sync(
-                functools.partial(load_into, into, reply["tree"], tensors, owned=owned)
+                functools.partial(
+                    load_into, into, reply["tree"], tensors, owned=owned, copy=copy_pairs
+                )
             )
             del tensors
         finally:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import gc
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -341,17 +341,19 @@ def load_into(
     tensors: Mapping[str, torch.Tensor],
     *,
     owned: bool = True,
+    copy: Callable[[list[torch.Tensor], list[torch.Tensor]], None] = torch._foreach_copy_,
 ) -> Any:
     """Restore ``tree`` into ``target`` in place where it can; return the restored value.
 
-    Tensors are copied into the target's tensors; anything else gets ``tensors`` themselves,
-    or clones of them when they are not ``owned`` (views of a buffer that will be reused).
+    Tensors are copied into the target's tensors, all in one ``copy(targets, sources)`` call
+    at the end; anything else gets ``tensors`` themselves, or clones of them when they are not
+    ``owned`` (views of a buffer that will be reused).
     """
     copies: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
     result = _restore(target, tree, tensors, "", owned, copies)
     if copies[0]:
         with torch.no_grad():
-            torch._foreach_copy_(*copies)  # one call for every tensor restored in place
+            copy(*copies)
     return result
 
 
