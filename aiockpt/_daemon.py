@@ -1,6 +1,7 @@
 """The daemon: a persistent subprocess that writes, commits, applies retention and reads.
 
-Started as ``python -m aiockpt._daemon FD`` with one end of the pipe inherited as FD, so the
+Started as a fresh interpreter running ``main([PKG_PARENT, FD])`` with one end of the pipe
+inherited as FD (see _manager._DAEMON_BOOT; ``python -m aiockpt._daemon FD`` works too), so the
 user's ``__main__`` is never re-imported. It imports neither torch nor the manager: tensors are
 bytes in shared memory here. Saves are handled one at a time, in order, by a writer thread;
 lists and loads by a reader thread, so a load never waits behind a large write.

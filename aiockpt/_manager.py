@@ -325,15 +325,13 @@ class AsyncCheckpointManager:
 
     async def _spawn(self, *, collect_partials: bool = False) -> _Daemon:
         parent, child = Pipe(duplex=True)
-        env = dict(os.environ)
-        # The daemon imports aiockpt from wherever this process did.
+        # The daemon imports aiockpt from wherever this process did: put that first on its
+        # path, ahead of the working directory that `python -m`/`-c` would search first.
         pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [pkg_parent, env.get("PYTHONPATH")]))
         proc = subprocess.Popen(
-            [sys.executable, "-m", "aiockpt._daemon", str(child.fileno())],
+            [sys.executable, "-c", _DAEMON_BOOT, pkg_parent, str(child.fileno())],
             pass_fds=(child.fileno(),),
             stdin=subprocess.DEVNULL,
-            env=env,
         )
         child.close()  # else EOF never arrives when the daemon dies
         chan = Channel(parent)
@@ -753,6 +751,13 @@ class AsyncCheckpointManager:
 
 
 # --------------------------------------------------------------------------- helpers
+
+#: What the daemon process runs: ``python -c _DAEMON_BOOT PKG_PARENT FD``. A fresh interpreter
+#: (spawn, never fork), which never imports the trainer's ``__main__``.
+_DAEMON_BOOT = (
+    "import sys; sys.path.insert(0, sys.argv[1]); from aiockpt._daemon import main; "
+    "sys.exit(main(sys.argv[1:]))"
+)
 
 
 def _wait_process(proc: subprocess.Popen, timeout: float) -> int | None:

@@ -404,6 +404,18 @@ async def test_default_root(tmp_path, monkeypatch):
     assert os.path.exists(tmp_path / "env-root" / "step_000000000001" / "manifest.json")
 
 
+async def test_daemon_imports_aiockpt_from_where_the_trainer_did(tmp_path, monkeypatch):
+    """Run from a directory holding another ``aiockpt`` (a checkout of another version, say):
+    the daemon must not pick that one up from its working directory."""
+    other = tmp_path / "aiockpt"
+    other.mkdir()
+    (other / "__init__.py").write_text("raise ImportError('the aiockpt of the working dir')\n")
+    monkeypatch.chdir(tmp_path)
+    async with AsyncCheckpointManager(str(tmp_path / "run")) as mgr:
+        await (await mgr.save(1, {"t": torch.ones(2)}))
+        assert torch.equal((await mgr.load())["t"], torch.ones(2))
+
+
 async def test_bad_root_fails_at_open(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
