@@ -93,7 +93,9 @@ class Daemon:
         #: Encoded state-tree fragments by id (see SaveReq.fragments).
         self.fragments: dict[int, str] = {}
         self.load_segments: set[str] = set()
+        #: Retention's records of committed steps; filled by the first retention pass.
         self.index: dict[int, CheckpointRecord] = {}
+        self.indexed = False
         self.in_flight: set[int] = set()
         self.lock = threading.Lock()  # guards index and in_flight
         self.peer_gone = False
@@ -125,7 +127,6 @@ class Daemon:
     # ----------------------------------------------------------------- start-up
 
     def start(self) -> None:
-        self.scan_index()
         if self.cfg.collect_partials:
             self.collect_partials()
 
@@ -139,6 +140,16 @@ class Daemon:
         return sorted(steps)
 
     def read_manifest(self, step: int) -> fmt.Manifest:
+        data, where = self._manifest_bytes(step)
+        return fmt.parse_manifest(data, path=where, step=step)
+
+    def read_record(self, step: int) -> CheckpointRecord:
+        """The step's commit time and metrics, without checking the rest of its manifest."""
+        data, where = self._manifest_bytes(step)
+        created_at, metrics = fmt.parse_manifest_record(data, path=where, step=step)
+        return CheckpointRecord(step, created_at, dict(metrics))
+
+    def _manifest_bytes(self, step: int) -> tuple[bytes, str]:
         path = f"{fmt.step_dirname(step)}/{fmt.MANIFEST}"
         size = self.storage.size(path)
         where = f"{self.storage.url.rstrip('/')}/{path}"
@@ -146,14 +157,19 @@ class Daemon:
             raise CorruptCheckpointError(
                 f"{where}: manifest of {size} bytes is too large", path=where
             )
-        return fmt.parse_manifest(self.storage.read_range(path, 0, size), path=where, step=step)
+        return self.storage.read_range(path, 0, size), where
 
     def scan_index(self) -> None:
-        """What retention sees of earlier runs: every readable committed checkpoint."""
+        """What retention sees of earlier runs: every committed checkpoint whose record reads.
+        Done by the first retention pass, not at start-up: a run may hold hundreds of
+        checkpoints, and a manager must open without reading each one."""
         for step in self.committed_steps():
-            with contextlib.suppress(CorruptCheckpointError):
-                m = self.read_manifest(step)
-                self.index[step] = CheckpointRecord(step, m.created_at, dict(m.metrics))
+            if step not in self.index:
+                with contextlib.suppress(CorruptCheckpointError):
+                    record = self.read_record(step)
+                    with self.lock:
+                        self.index.setdefault(step, record)
+        self.indexed = True
 
     def collect_partials(self) -> list[int]:
         """Remove step directories without a manifest (a crash mid-save) below the newest
@@ -312,6 +328,8 @@ class Daemon:
         if policy is None or self.cfg.rank != 0:  # decided once, by rank 0
             return [], None
         try:
+            if not self.indexed:
+                self.scan_index()
             # Steps deleted behind our back (``aiockpt prune``) must not count for the policy.
             # A stale listing can only hide steps, and a hidden step is never deleted.
             present = {fmt.parse_step_dirname(name) for name in self.storage.list_dir("")}
@@ -370,8 +388,8 @@ class Daemon:
         out = []
         for step in self.committed_steps():
             with contextlib.suppress(CorruptCheckpointError):
-                m = self.read_manifest(step)
-                out.append((step, m.created_at, dict(m.metrics)))
+                r = self.read_record(step)
+                out.append((r.step, r.time, r.metrics))
         return out
 
     def op_collect_partials(self) -> list[int]:

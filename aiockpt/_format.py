@@ -318,10 +318,7 @@ def manifest_json(
     return (head[:-1] + ',"tensors":' + tensors_json + ',"trees":' + trees_json + "}").encode()
 
 
-@no_gc
-def parse_manifest(data: bytes, *, path: str, step: int | None = None) -> Manifest:
-    """Validate an untrusted manifest. Raises :class:`CorruptCheckpointError` naming ``path``."""
-
+def _decode_manifest(data: bytes, path: str) -> tuple[dict[str, Any], Callable[[str], Exception]]:
     def bad(why: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{path}: {why}", path=path)
 
@@ -331,6 +328,13 @@ def parse_manifest(data: bytes, *, path: str, step: int | None = None) -> Manife
         raise bad(f"manifest is not valid JSON ({e})") from None
     if not isinstance(raw, dict):
         raise bad("manifest is not a JSON object")
+    return raw, bad
+
+
+def _manifest_head(
+    raw: dict[str, Any], bad: Callable[[str], Exception], step: int | None
+) -> tuple[int, float, dict[str, Any]]:
+    """The checked (step, created_at, metrics) of a decoded manifest."""
     if raw.get("format") != FORMAT:
         raise bad(f"not an aiockpt manifest (format {_short(raw.get('format'))})")
     version = raw.get("version")
@@ -342,6 +346,32 @@ def parse_manifest(data: bytes, *, path: str, step: int | None = None) -> Manife
     created = raw.get("created_at")
     if type(created) not in (int, float) or not math.isfinite(created):
         raise bad("bad created_at")
+    metrics = raw.get("metrics", {})
+    if not isinstance(metrics, dict):
+        raise bad("metrics and metadata must be objects")
+    for k, v in metrics.items():
+        if not _is_metric(v):
+            raise bad(f"metric {k!r} is not a number")
+    return m_step, float(created), metrics
+
+
+@no_gc
+def parse_manifest_record(
+    data: bytes, *, path: str, step: int | None = None
+) -> tuple[float, dict[str, Any]]:
+    """What retention and best_step read of an untrusted manifest: (created_at, metrics),
+    checked as parse_manifest checks them. The rest (20k tensor entries, say) is left to the
+    full check of a load: at start-up and for retention that cost 150 ms per checkpoint."""
+    raw, bad = _decode_manifest(data, path)
+    _, created, metrics = _manifest_head(raw, bad, step)
+    return created, metrics
+
+
+@no_gc
+def parse_manifest(data: bytes, *, path: str, step: int | None = None) -> Manifest:
+    """Validate an untrusted manifest. Raises :class:`CorruptCheckpointError` naming ``path``."""
+    raw, bad = _decode_manifest(data, path)
+    m_step, created, metrics = _manifest_head(raw, bad, step)
     world = raw.get("world_size")
     if type(world) is not int or not 1 <= world <= 1 << 20:
         raise bad(f"bad world_size {_short(world)}")
@@ -389,17 +419,13 @@ def parse_manifest(data: bytes, *, path: str, step: int | None = None) -> Manife
     if not isinstance(trees_raw, dict) or set(trees_raw) != {str(s.rank) for s in shards}:
         raise bad("trees must map each rank to its state tree")
     trees = {int(r): t for r, t in trees_raw.items()}
-    metrics = raw.get("metrics", {})
     metadata = raw.get("metadata", {})
-    if not isinstance(metrics, dict) or not isinstance(metadata, dict):
+    if not isinstance(metadata, dict):
         raise bad("metrics and metadata must be objects")
-    for k, v in metrics.items():
-        if not _is_metric(v):
-            raise bad(f"metric {k!r} is not a number")
     if _json_depth(metadata) > MAX_METADATA_DEPTH:
         # It is pickled to the trainer on load; too deep a value would fail there instead.
         raise bad(f"metadata nested deeper than {MAX_METADATA_DEPTH} levels")
-    return Manifest(m_step, float(created), world, shards, tensors, trees, metrics, metadata)
+    return Manifest(m_step, created, world, shards, tensors, trees, metrics, metadata)
 
 
 def tensors_json_parts(specs: list[TensorSpec], data_start: int) -> list[str]:

@@ -592,3 +592,61 @@ async def test_an_interrupted_deletion_is_never_listed_or_loaded(root):
         assert await mgr.steps() == [2]
         with pytest.raises(CheckpointNotFoundError):
             await mgr.load(1)
+
+
+class ReadCounting(LocalStorage):
+    """The local storage, noting which files are read."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.read: list[str] = []
+
+    def read_range(self, path: str, start: int, end: int) -> bytes:
+        self.read.append(path)
+        return super().read_range(path, start, end)
+
+
+@pytest.mark.anyio
+async def test_start_up_reads_no_manifest_and_retention_reads_each_once(root):
+    """Opening a manager must not cost a read per earlier checkpoint (at 20k tensors a
+    manifest is megabytes, and a run can have hundreds): retention reads them when it
+    first runs, once."""
+    async with AsyncCheckpointManager(root) as mgr:
+        for step in (1, 2, 3):
+            await (await mgr.save(step, state(step), metrics={"loss": float(step)}))
+    parent, child = Pipe()
+    daemon = Daemon(
+        Channel(child), DaemonConfig(url=root, storage_options={}, retention=LatestN(2))
+    )
+    try:
+        storage = daemon.storage = ReadCounting(root)
+        daemon.start()
+        assert storage.read == []
+        for _ in range(2):
+            deleted, error = daemon.apply_retention("uuid", 3)
+            assert error is None
+        assert deleted == []
+        assert sorted(storage.read) == [f"{fmt.step_dirname(s)}/{fmt.MANIFEST}" for s in (1, 2, 3)]
+        assert daemon.op_steps() == [2, 3]
+    finally:
+        daemon.pool.shutdown()
+        parent.close()
+        child.close()
+
+
+@pytest.mark.anyio
+async def test_retention_counts_a_checkpoint_whose_tensor_entries_are_damaged(root):
+    """Retention needs a manifest's step, time and metrics; damage elsewhere in it makes the
+    checkpoint fail to load, but must not hide it from retention forever."""
+    async with AsyncCheckpointManager(root) as mgr:
+        await (await mgr.save(1, state(1)))
+    path = os.path.join(root, fmt.step_dirname(1), fmt.MANIFEST)
+    with open(path) as f:
+        text = f.read()
+    with open(path, "w") as f:
+        f.write(text.replace('"dtype":"F32"', '"dtype":"F33"'))
+    async with AsyncCheckpointManager(root, retention=LatestN(1)) as mgr:
+        with pytest.raises(CheckpointError, match="unknown dtype"):
+            await mgr.load(1)
+        await (await mgr.save(2, state(2)))
+        assert await mgr.steps() == [2]
