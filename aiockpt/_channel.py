@@ -57,7 +57,7 @@ class SaveReq:
     metadata: dict[str, Any]
     forget: tuple[str, ...] = ()
     #: State-tree fragments the daemon does not hold yet, by id: the tree refers to a fragment
-    #: as ``{"R": id}`` and the daemon splices in its encoded text (see _state.Flattener).
+    #: by a reference string and the daemon splices in its encoded text (_format.encode_tree).
     fragments: dict[int, Any] = field(default_factory=dict)
     #: Fragments and layouts no later request will refer to.
     forget_fragments: tuple[int, ...] = ()

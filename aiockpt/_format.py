@@ -456,33 +456,27 @@ def tensors_json(
     return "{" + ",".join([f"{p}{c}}}" for p, c in zip(parts, crcs, strict=True)]) + "}"
 
 
+def fragment_ref(fragment_id: int) -> str:
+    """What stands for a fragment in a tree on the pipe (see encode_tree)."""
+    return f"\x00{fragment_id}"
+
+
 _FRAGMENT_MARK = re.compile(r'"\\u0000(\d+)"')
 
 
 def encode_tree(tree: Any, fragments: dict[int, str]) -> str:
-    """The JSON text of a state tree as the trainer sends it: a ``{"R": id}`` node stands for
-    the fragment ``id``, whose JSON text the daemon already holds in ``fragments``.
+    """The JSON text of a state tree as the trainer sends it, where a fragment_ref(id) string
+    stands for the fragment ``id`` whose JSON text the daemon holds in ``fragments``.
 
     A fragment is a large mapping sent once and reused by later saves (see _state.Flattener);
-    its text is spliced in, never encoded again. Reference nodes become strings holding a NUL
-    and the id, which JSON escapes as ``\\u0000``; no stored string holds a NUL (flatten
-    refuses them), so nothing else can match.
+    its text is spliced in, never encoded again. A reference is a string holding a NUL, which
+    JSON escapes as ``\\u0000``; no stored string holds a NUL (flatten refuses them), so
+    nothing else can match, and a tree without references is encoded by json.dumps alone.
     """
-
-    def mark(node: Any) -> Any:
-        ((tag, body),) = node.items()
-        if tag == "R":
-            return f"\x00{body}"
-        if tag == "D":
-            return {"D": [[k, mark(v)] for k, v in body]}
-        if tag in ("L", "U"):
-            return {tag: [mark(v) for v in body]}
-        if tag == "S":
-            return {"S": mark(body)}
-        return node
-
-    text = json.dumps(mark(tree), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    return _FRAGMENT_MARK.sub(lambda m: fragments[int(m.group(1))], text)
+    text = json.dumps(tree, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    if "\\u0000" in text:
+        text = _FRAGMENT_MARK.sub(lambda m: fragments[int(m.group(1))], text)
+    return text
 
 
 def _short(value: Any) -> str:

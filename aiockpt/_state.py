@@ -10,8 +10,9 @@ The tree keeps the state's exact nesting in JSON, one tagged node per value:
     {"V": value}             int, str, bool, None or a finite float
     {"F": "nan"|"inf"|"-inf"} a non-finite float (JSON has no literal for it)
 
-and, only on the pipe to the daemon, ``{"R": id}`` for a mapping of tensors sent before (see
-Flattener); the daemon splices it back in, so a stored tree never holds one.
+and, only on the pipe to the daemon, a reference string (``_format.fragment_ref``) in place of
+a mapping of tensors sent before (see Flattener); the daemon splices the mapping back in, so a
+stored tree never holds one.
 
 Tensor names are the key path joined by "/", so a checkpoint opened with safetensors reads as
 ``model/layer.weight``. Nothing is pickled: any other value is refused with its key path.
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ._format import MAX_TREE_DEPTH, no_gc
+from ._format import MAX_TREE_DEPTH, fragment_ref, no_gc
 from .errors import LoadMismatchError, UnsupportedValueError
 
 #: torch dtype <-> safetensors dtype name.
@@ -93,7 +94,7 @@ class Flat:
 
     names: list[str]
     tensors: list[torch.Tensor]
-    #: The tree; a cached mapping appears in it as ``{"R": fragment id}`` (see Flattener).
+    #: The tree; a cached mapping appears in it as ``fragment_ref(id)`` (see Flattener).
     tree: Any
     #: What decides the layout: a fragment's id, or a loose tensor's (name, dtype, shape).
     key: tuple
@@ -223,7 +224,7 @@ def _flatten(
                 items.append([k, walk(v, child, depth + 1)])
         return {"D": items}
 
-    def fragment(value: Mapping, path: str) -> dict[str, Any] | None:
+    def fragment(value: Mapping, path: str) -> str | None:
         """The mapping as a fragment reference, or None when it is not all tensors."""
         nonlocal cuda, trusted
         keys = tuple(value)
@@ -256,7 +257,7 @@ def _flatten(
         met[path] = frag
         key.append(frag.id)
         fragments[frag.id] = frag.node
-        return {"R": frag.id}
+        return fragment_ref(frag.id)
 
     def check_key(key: Any, path: str) -> Any:
         if isinstance(key, bool) or not isinstance(key, (str, int)):
