@@ -1,9 +1,10 @@
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing import Pipe
 from pathlib import Path
@@ -543,6 +544,22 @@ async def test_a_save_overwrites_a_stale_partial_of_its_step(root):
 # --------------------------------------------------------------------------- interrupted deletion
 
 
+@contextlib.contextmanager
+def daemon_in_process(
+    root: str, policy: RetentionPolicy, storage: LocalStorage
+) -> Iterator[Daemon]:
+    """The daemon's code run in this process over ``storage``, for a test to drive it."""
+    parent, child = Pipe()
+    daemon = Daemon(Channel(child), DaemonConfig(url=root, storage_options={}, retention=policy))
+    daemon.storage = storage
+    try:
+        yield daemon
+    finally:
+        daemon.pool.shutdown()
+        parent.close()
+        child.close()
+
+
 class DeletionInterrupted(LocalStorage):
     """A real local root whose recursive deletes fail, as if the process died mid-deletion."""
 
@@ -564,12 +581,8 @@ async def test_an_interrupted_deletion_is_never_listed_or_loaded(root):
             await (await mgr.save(step, state(step)))
 
     # The daemon's retention pass, in this process, over a storage that fails mid-deletion.
-    parent, child = Pipe()
-    daemon = Daemon(
-        Channel(child), DaemonConfig(url=root, storage_options={}, retention=LatestN(1))
-    )
-    try:
-        storage = daemon.storage = DeletionInterrupted(root)
+    storage = DeletionInterrupted(root)
+    with daemon_in_process(root, LatestN(1), storage) as daemon:
         daemon.scan_index()
         deleted, error = daemon.apply_retention("uuid", 2)
         assert isinstance(error, CheckpointError)
@@ -581,10 +594,6 @@ async def test_an_interrupted_deletion_is_never_listed_or_loaded(root):
         assert [r[0] for r in daemon.op_records()] == [2]
         with pytest.raises(CheckpointNotFoundError, match="step 1 is not a committed"):
             daemon.op_load(step=1, rank=0)
-    finally:
-        daemon.pool.shutdown()
-        parent.close()
-        child.close()
 
     async with AsyncCheckpointManager(root) as mgr:
         # Start-up collected the half-deleted step (it lies below the newest commit).
@@ -614,12 +623,8 @@ async def test_start_up_reads_no_manifest_and_retention_reads_each_once(root):
     async with AsyncCheckpointManager(root) as mgr:
         for step in (1, 2, 3):
             await (await mgr.save(step, state(step), metrics={"loss": float(step)}))
-    parent, child = Pipe()
-    daemon = Daemon(
-        Channel(child), DaemonConfig(url=root, storage_options={}, retention=LatestN(2))
-    )
-    try:
-        storage = daemon.storage = ReadCounting(root)
+    storage = ReadCounting(root)
+    with daemon_in_process(root, LatestN(2), storage) as daemon:
         daemon.start()
         assert storage.read == []
         for _ in range(2):
@@ -628,10 +633,6 @@ async def test_start_up_reads_no_manifest_and_retention_reads_each_once(root):
         assert deleted == []
         assert sorted(storage.read) == [f"{fmt.step_dirname(s)}/{fmt.MANIFEST}" for s in (1, 2, 3)]
         assert daemon.op_steps() == [2, 3]
-    finally:
-        daemon.pool.shutdown()
-        parent.close()
-        child.close()
 
 
 @pytest.mark.anyio
