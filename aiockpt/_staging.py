@@ -201,31 +201,38 @@ class Slab:
 
 
 def _runs(layout: Layout, data: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
-    """(first, end, destination) for each run of two or more 1-D tensors, consecutive in
-    flatten order, of one dtype and back to back in the slab."""
+    """(first, end, destination) for each run of two or more tensors, consecutive in flatten
+    order, of one dtype and one shape but for the first dimension, and back to back in the
+    slab: torch.cat along dim 0 copies a run at once into its region, viewed as rows."""
     runs = []
     order, specs = layout.order, layout.specs
+
+    def row(i: int) -> tuple[str, tuple[int, ...]] | None:
+        """What tensors of a run share: dtype and trailing shape (None: never in a run)."""
+        s = specs[order[i]]
+        if not s.shape or math.prod(s.shape[1:]) == 0:
+            return None  # 0-dim, or rows of no bytes
+        return s.dtype, s.shape[1:]
+
     i, n = 0, len(order)
     while i < n:
         j = i
-        spec = specs[order[i]]
+        kind = row(i)
         while (
-            j + 1 < n
-            and order[j + 1] == order[j] + 1
-            and specs[order[j + 1]].dtype == spec.dtype
-            and len(specs[order[j + 1]].shape) == 1
-            and len(specs[order[j]].shape) == 1
+            kind is not None and j + 1 < n and order[j + 1] == order[j] + 1 and row(j + 1) == kind
         ):
             j += 1
         if j > i:
+            assert kind is not None
             first, last = specs[order[i]], specs[order[j]]
-            runs.append((i, j + 1, data[first.start : last.end].view(ST_TO_TORCH[first.dtype])))
+            region = data[first.start : last.end].view(ST_TO_TORCH[first.dtype])
+            runs.append((i, j + 1, region.view(-1, *kind[1])))
         i = j + 1
     return runs
 
 
 #: A range of tensors in flatten order; the slab region to torch.cat it into when it is a run
-#: of 1-D tensors; the shapes and dtypes the sources must have; and for a run, their sizes.
+#: (see _runs); the shapes and dtypes the sources must have; and for a 1-D run, their sizes.
 Piece = tuple[int, int, "torch.Tensor | None", tuple, tuple, tuple]
 
 #: Tensors per piece: one thread checks a piece (holding the GIL) while the other copies.
@@ -250,13 +257,16 @@ def _plan(layout: Layout, data: torch.Tensor) -> tuple[list[Piece], list[Piece]]
         for c in range(a, b, PIECE):
             d = min(b, c + PIECE)
             sub = None
-            if region is not None:
-                base, itemsize = specs[order[a]].start, region.element_size()
-                lo = (specs[order[c]].start - base) // itemsize
-                hi = (specs[order[d - 1]].end - base) // itemsize
-                sub = region[lo:hi]
             shapes = layout.shapes[c:d]
-            sizes = tuple(s[0] for s in shapes) if sub is not None else ()
+            sizes: tuple[int, ...] = ()
+            if region is not None:
+                base = specs[order[a]].start
+                row_bytes = region.element_size() * math.prod(region.shape[1:])
+                lo = (specs[order[c]].start - base) // row_bytes
+                hi = (specs[order[d - 1]].end - base) // row_bytes
+                sub = region[lo:hi]
+                if region.dim() == 1:
+                    sizes = tuple(s[0] for s in shapes)
             pieces.append((c, d, sub, shapes, layout.dtypes[c:d], sizes))
     total = sum(s.nbytes for s in specs)
     if n < PIECE or total < (1 << 20):
@@ -298,14 +308,15 @@ def _copy_pieces(pieces: list[Piece], dsts: list[torch.Tensor], srcs: list[torch
                     raise StaleFlat
                 torch._foreach_copy_(dsts[a:b], run)
                 continue
-            # A run of 1-D tensors, copied by one torch.cat instead of b - a dispatches. Its
-            # check is cheaper: dtype, dims and sizes here (half the cost of comparing shapes);
-            # torch.cat itself refuses other devices and layouts.
-            if (
-                tuple(map(_DTYPE, run)) != dtypes
-                or not _ONE.issuperset(map(_DIM, run))
-                or tuple(map(_NUMEL, run)) != sizes
-            ):
+            # A run, copied by one torch.cat instead of b - a dispatches; torch.cat itself
+            # refuses other devices and layouts. 1-D runs are checked by dtype, dims and sizes
+            # (half the cost of comparing shapes), others by dtype and shape.
+            if tuple(map(_DTYPE, run)) != dtypes:
+                raise StaleFlat
+            if sizes:
+                if not _ONE.issuperset(map(_DIM, run)) or tuple(map(_NUMEL, run)) != sizes:
+                    raise StaleFlat
+            elif tuple(map(_SHAPE, run)) != shapes:
                 raise StaleFlat
             try:
                 torch.cat(run, out=region)

@@ -104,6 +104,30 @@ async def test_sizes_swapped_within_a_run_of_1d_tensors(root):
         assert_same(await save_and_load(mgr, 1, state), state)
 
 
+async def test_first_dimensions_swapped_within_a_run_of_matrices(root):
+    """Matrices of one row shape back to back are one torch.cat along dim 0: the same number
+    of rows split differently must still be seen."""
+    state = {f"m{i:02d}": torch.full((2, 3), float(i)) for i in range(FRAGMENT_MIN)}
+    state["m01"], state["m02"] = torch.zeros(1, 3), torch.ones(3, 3)
+    async with AsyncCheckpointManager(root) as mgr:
+        await (await mgr.save(0, state))
+        state["m01"], state["m02"] = torch.ones(3, 3), torch.zeros(1, 3)
+        assert_same(await save_and_load(mgr, 1, state), state)
+
+
+async def test_runs_with_empty_and_odd_shapes_round_trip(root):
+    state = {f"m{i:02d}": torch.full((2, 3), float(i)) for i in range(FRAGMENT_MIN)}
+    state["m03"] = torch.empty(0, 3)  # no rows: still part of the run
+    state["m04"] = torch.empty(3, 0)  # rows of no bytes: never in a run
+    state["m05"] = torch.arange(6.0).reshape(3, 2).t()  # (2, 3), not contiguous
+    state["m06"] = torch.ones(2, 3, 1)  # another row shape
+    async with AsyncCheckpointManager(root) as mgr:
+        for step in range(2):
+            for v in state.values():
+                v.add_(1)
+            assert_same(await save_and_load(mgr, step, state), state)
+
+
 async def test_values_replaced_by_new_tensors(root):
     state = make_state()
     async with AsyncCheckpointManager(root) as mgr:
