@@ -54,13 +54,18 @@ async def save_and_load(mgr: AsyncCheckpointManager, step: int, state: dict) -> 
     return await mgr.load(step)
 
 
-async def test_unchanged_state_saved_again_round_trips(root):
-    state = make_state()
+async def save_again_and_again(root: str, state: dict, saves: int) -> None:
+    """Save ``state`` ``saves`` times, changing every value in place before each save, and
+    check each checkpoint."""
     async with AsyncCheckpointManager(root) as mgr:
-        for step in range(3):
+        for step in range(saves):
             for t in state.values():
                 t.add_(1)
             assert_same(await save_and_load(mgr, step, state), state)
+
+
+async def test_unchanged_state_saved_again_round_trips(root):
+    await save_again_and_again(root, make_state(), 3)
 
 
 async def test_shape_changed_in_place(root):
@@ -121,11 +126,7 @@ async def test_runs_with_empty_and_odd_shapes_round_trip(root):
     state["m04"] = torch.empty(3, 0)  # rows of no bytes: never in a run
     state["m05"] = torch.arange(6.0).reshape(3, 2).t()  # (2, 3), not contiguous
     state["m06"] = torch.ones(2, 3, 1)  # another row shape
-    async with AsyncCheckpointManager(root) as mgr:
-        for step in range(2):
-            for v in state.values():
-                v.add_(1)
-            assert_same(await save_and_load(mgr, step, state), state)
+    await save_again_and_again(root, state, 2)
 
 
 async def test_values_replaced_by_new_tensors(root):
