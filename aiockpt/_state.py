@@ -20,7 +20,6 @@ Tensor names are the key path joined by "/", so a checkpoint opened with safeten
 
 from __future__ import annotations
 
-import gc
 import itertools
 import math
 from collections.abc import Callable, Mapping
@@ -29,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ._format import MAX_TREE_DEPTH, fragment_ref, no_gc
+from ._format import MAX_TREE_DEPTH, fragment_ref, gc_paused, no_gc
 from .errors import LoadMismatchError, UnsupportedValueError
 
 #: torch dtype <-> safetensors dtype name.
@@ -296,13 +295,8 @@ def _flatten(
 
     # A state tree is thousands of fresh lists and dicts: the cyclic GC would walk them again
     # and again (measured: it doubled flatten's time at 20k tensors). Nothing here is cyclic.
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_paused():
         tree = walk(state, "")
-    finally:
-        if gc_was_enabled:
-            gc.enable()
     return Flat(names, tensors, tree, tuple(key), fragments, cuda, trusted)
 
 
