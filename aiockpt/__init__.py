@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "AsyncCheckpointManager": "._manager",
-    "CheckpointInfo": "._manager",
-    "SaveHandle": "._manager",
+    "AsyncCheckpointManager": "._trainer.manager",
+    "CheckpointInfo": "._core.protocol",
+    "SaveHandle": "._trainer.manager",
     "AnyOf": ".retention",
     "BestN": ".retention",
     "EveryNSeconds": ".retention",
@@ -52,7 +52,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from ._manager import AsyncCheckpointManager, CheckpointInfo, SaveHandle
+    from ._core.protocol import CheckpointInfo
+    from ._trainer.manager import AsyncCheckpointManager, SaveHandle
     from .errors import (
         CheckpointError,
         CheckpointNotFoundError,

@@ -23,7 +23,7 @@ from typing import Any, NoReturn, TextIO
 
 import crc32c
 
-from . import _format as fmt
+from ._core import format as fmt
 from .errors import CheckpointError, CorruptCheckpointError
 from .retention import (
     AnyOf,

@@ -16,8 +16,8 @@ import statistics
 import tempfile
 import time
 
-from aiockpt import _format as fmt
-from aiockpt._coord import Coordinator, Part, part_name
+from aiockpt._core import format as fmt
+from aiockpt._daemon.coord import Coordinator, Part, part_name
 from aiockpt.storage import LocalStorage
 
 

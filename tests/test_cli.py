@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from aiockpt import AsyncCheckpointManager
-from aiockpt import _format as fmt
+from aiockpt._core import format as fmt
 
 SCRIPT = str(Path(sys.executable).parent / "aiockpt")
 STEPS = [1, 2, 3, 4, 5, 6]

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from aiockpt import AsyncCheckpointManager, LatestN
-from aiockpt import _format as fmt
+from aiockpt._core import format as fmt
 from aiockpt.errors import (
     CheckpointNotFoundError,
     DaemonDiedError,

@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiockpt import AsyncCheckpointManager
-from aiockpt import _format as fmt
-from aiockpt._channel import Channel, DaemonConfig
-from aiockpt._daemon import Daemon
+from aiockpt._core import format as fmt
+from aiockpt._core.protocol import Hello
+from aiockpt._daemon.server import Daemon, PipeEnd
 from aiockpt.errors import CheckpointError, CheckpointNotFoundError, StorageError
 from aiockpt.retention import (
     AnyOf,
@@ -550,7 +550,7 @@ def daemon_in_process(
 ) -> Iterator[Daemon]:
     """The daemon's code run in this process over ``storage``, for a test to drive it."""
     parent, child = Pipe()
-    daemon = Daemon(Channel(child), DaemonConfig(url=root, storage_options={}, retention=policy))
+    daemon = Daemon(PipeEnd(child), Hello(url=root, storage_options={}, retention=policy))
     daemon.storage = storage
     try:
         yield daemon
@@ -591,7 +591,7 @@ async def test_an_interrupted_deletion_is_never_listed_or_loaded(root):
         assert deleted == [1]
         assert os.listdir(os.path.join(root, fmt.step_dirname(1))) == [fmt.shard_filename(0)]
         assert daemon.op_steps() == [2]
-        assert [r[0] for r in daemon.op_records()] == [2]
+        assert [r.step for r in daemon.op_records()] == [2]
         with pytest.raises(CheckpointNotFoundError, match="step 1 is not a committed"):
             daemon.op_load(step=1, rank=0)
 

@@ -19,9 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiockpt import AsyncCheckpointManager
-from aiockpt import _format as fmt
-from aiockpt._staging import Slab
-from aiockpt._state import FRAGMENT_MIN, Flattener, flatten
+from aiockpt._core import format as fmt
+from aiockpt._trainer.staging import Slab
+from aiockpt._trainer.state import FRAGMENT_MIN, Flattener, flatten
 from aiockpt.errors import StateChangedError, UnsupportedValueError
 
 pytestmark = pytest.mark.anyio

@@ -16,7 +16,7 @@ import anyio
 import torch
 
 from aiockpt import AsyncCheckpointManager
-from aiockpt._staging import Slab
+from aiockpt._trainer.staging import Slab
 from aiockpt.errors import StorageError
 from aiockpt.retention import LatestN
 

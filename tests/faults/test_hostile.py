@@ -27,9 +27,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from aiockpt import AsyncCheckpointManager
-from aiockpt import _format as fmt
-from aiockpt._channel import Channel, DaemonConfig
-from aiockpt._daemon import Daemon
+from aiockpt._core import format as fmt
+from aiockpt._core.protocol import Hello
+from aiockpt._daemon.server import Daemon, PipeEnd
 from aiockpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedValueError
 
 from ._helpers import shm_segments, step_dir
@@ -164,7 +164,7 @@ class Audit:
 def audited_load(root: str) -> tuple[Audit, BaseException | None]:
     """The daemon's own load (Daemon.op_load), run in this process under the audit hook."""
     parent, child = Pipe()
-    daemon = Daemon(Channel(child), DaemonConfig(url=root, storage_options={}, retention=None))
+    daemon = Daemon(PipeEnd(child), Hello(url=root, storage_options={}, retention=None))
     error: BaseException | None = None
     try:
         with Audit() as audit:
@@ -174,7 +174,7 @@ def audited_load(root: str) -> tuple[Audit, BaseException | None]:
                 error = e
             else:
                 # The reply names a shared-memory segment the trainer would map and unlink.
-                os.unlink(os.path.join("/dev/shm", reply["segment"].lstrip("/")))
+                os.unlink(os.path.join("/dev/shm", reply.segment.lstrip("/")))
     finally:
         daemon.pool.shutdown()
         daemon.storage.close()

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import DistributedSaveError, InvalidStepError
+from ..errors import DistributedSaveError, InvalidStepError
 
 
 @dataclass(frozen=True, slots=True)

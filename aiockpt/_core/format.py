@@ -7,22 +7,17 @@ the daemon and the CLI stay light.
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import gc
 import json
 import math
 import re
 import reprlib
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 
-from .errors import CorruptCheckpointError
-
-P = ParamSpec("P")
-R = TypeVar("R")
+from ..errors import CorruptCheckpointError
+from .gc import no_gc
 
 FORMAT = "aiockpt"
 VERSION = 1
@@ -82,33 +77,6 @@ def shard_filename(rank: int) -> str:
 
 def align_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause the cyclic GC: a 20k-tensor manifest decodes into ~100k fresh containers, and the
-    collector kept re-scanning them (measured: half of parsing time, and a full pass of 100 ms
-    at a random point of a load). Nothing built here is cyclic.
-
-    The GC switch is process-wide: whichever caller paused it first turns it back on."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def no_gc(fn: Callable[P, R]) -> Callable[P, R]:
-    """``fn`` run with the cyclic GC paused (see gc_paused)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        with gc_paused():
-            return fn(*args, **kwargs)
-
-    return wrapper
 
 
 # --------------------------------------------------------------------------- shard header

@@ -28,8 +28,9 @@ from typing import Any
 
 import torch
 
-from ._format import MAX_TREE_DEPTH, fragment_ref, gc_paused, no_gc
-from .errors import LoadMismatchError, UnsupportedValueError
+from .._core.format import MAX_TREE_DEPTH, fragment_ref
+from .._core.gc import gc_paused, no_gc
+from ..errors import LoadMismatchError, UnsupportedValueError
 
 #: torch dtype <-> safetensors dtype name.
 TORCH_TO_ST: dict[torch.dtype, str] = {

@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from . import _format as fmt
-from .errors import DistributedSaveError
+from .._core import format as fmt
+from ..errors import DistributedSaveError
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import anyio
 import torch
 
-from . import _format as fmt
-from ._channel import LayoutMsg
-from ._shm import POPULATES, Segment
-from ._state import ST_TO_TORCH, TORCH_TO_ST, Flat, StaleFlat
+from .._core import format as fmt
+from .._core.protocol import LayoutMsg
+from .._core.shm import POPULATES, Segment
+from .state import ST_TO_TORCH, TORCH_TO_ST, Flat, StaleFlat
 
 _layout_ids = itertools.count(1)
 

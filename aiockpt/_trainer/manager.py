@@ -18,30 +18,35 @@ import threading
 import time
 import uuid as uuid_mod
 from collections.abc import Generator, Iterable, Mapping
-from dataclasses import dataclass, field
 from multiprocessing import Pipe
 from typing import Any
 
 import anyio
 import torch
 
-from . import _dist
-from . import _format as fmt
-from ._channel import (
-    Channel,
-    DaemonConfig,
+from .._core import format as fmt
+from .._core.gc import gc_paused, no_gc
+from .._core.protocol import (
+    PROTOCOL,
+    CheckpointInfo,
+    CollectPartialsReq,
     EventMsg,
+    Hello,
+    LoadReply,
+    LoadReq,
+    PublishFailureReq,
+    ReadReq,
     Ready,
+    RecordsReq,
     Reply,
-    Request,
     SaveDone,
     SaveReq,
     SlabFree,
+    SlabRef,
+    StepsReq,
     Stop,
 )
-from ._staging import Layout, LayoutCache, Slab, SlabPool, copy_pairs
-from ._state import ST_TO_TORCH, Flat, Flattener, StaleFlat, load_into, unflatten
-from .errors import (
+from ..errors import (
     CheckpointError,
     CorruptCheckpointError,
     DaemonDiedError,
@@ -53,23 +58,16 @@ from .errors import (
     StepExistsError,
     UnsupportedValueError,
 )
-from .events import EventDispatcher, EventHandler, entry_point_handlers, process_group_info
-from .retention import CheckpointRecord, RetentionPolicy, best_order
+from ..events import EventDispatcher, EventHandler, entry_point_handlers, process_group_info
+from ..retention import CheckpointRecord, RetentionPolicy, best_order
+from . import dist as _dist
+from .channel import Channel
+from .staging import Layout, LayoutCache, Slab, SlabPool, copy_pairs
+from .state import ST_TO_TORCH, Flat, Flattener, StaleFlat, load_into, unflatten
 
 __all__ = ["AsyncCheckpointManager", "CheckpointInfo", "SaveHandle"]
 
 DEFAULT_ROOT = "checkpoints"
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointInfo:
-    """A committed checkpoint."""
-
-    step: int
-    url: str
-    created_at: float
-    nbytes: int
-    metrics: dict[str, Any] = field(default_factory=dict)
 
 
 class SaveHandle:
@@ -222,9 +220,9 @@ class AsyncCheckpointManager:
                 # started (so none is saving yet) and before any of them may save.
                 self._group.barrier()
                 if self.rank == 0:
-                    await self._request("collect_partials")
+                    await self._request(CollectPartialsReq)
                 self._group.barrier()
-            self._committed = set(await self._request("steps"))
+            self._committed = set(await self._request(StepsReq))
             if self.on_sigterm is not None:
                 self._prev_sigterm = signal.getsignal(signal.SIGTERM)
                 await self._tg.start(self._watch_sigterm)
@@ -327,7 +325,7 @@ class AsyncCheckpointManager:
         parent, child = Pipe(duplex=True)
         # The daemon imports aiockpt from wherever this process did: put that first on its
         # path, ahead of the working directory that `python -m`/`-c` would search first.
-        pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         proc = subprocess.Popen(
             [sys.executable, "-c", _DAEMON_BOOT, pkg_parent, str(child.fileno())],
             pass_fds=(child.fileno(),),
@@ -338,7 +336,7 @@ class AsyncCheckpointManager:
         d = _Daemon(proc, chan)
         try:
             chan.send(
-                DaemonConfig(
+                Hello(
                     url=self.url,
                     storage_options=self.storage_options,
                     retention=self.retention,
@@ -346,7 +344,7 @@ class AsyncCheckpointManager:
                     world_size=self.world_size,
                     trainer_pid=os.getpid(),
                     collect_partials=collect_partials,
-                    dist={"timeout": self.dist_timeout} if self.world_size > 1 else None,
+                    dist_timeout=self.dist_timeout if self.world_size > 1 else None,
                 )
             )
             with anyio.fail_after(self.start_timeout):
@@ -364,11 +362,20 @@ class AsyncCheckpointManager:
             raise DaemonStartError(
                 f"the daemon exited with code {code} before it was ready"
             ) from None
-        if not isinstance(ready, Ready) or ready.error is not None:
+        if not isinstance(ready, Ready) or ready.error is not None or ready.protocol != PROTOCOL:
             await anyio.to_thread.run_sync(_wait_process, proc, 10.0)
+            if proc.poll() is None:
+                proc.kill()
+                await anyio.to_thread.run_sync(proc.wait)
             chan.close()
             if isinstance(ready, Ready) and ready.error is not None:
                 raise ready.error
+            if isinstance(ready, Ready):
+                raise DaemonStartError(
+                    f"the daemon speaks aiockpt daemon protocol {ready.protocol!r}, this manager "
+                    f"speaks {PROTOCOL}: the trainer and the daemon must come from the same "
+                    "aiockpt installation"
+                )
             raise DaemonStartError(f"the daemon answered {ready!r} instead of READY")
         self._daemon = d
         self._tg.start_soon(self._reader, d)
@@ -381,7 +388,7 @@ class AsyncCheckpointManager:
             if d is None or not d.alive:
                 d = await self._spawn()
                 self.events.emit("daemon.restart", where="daemon")
-                self._committed = set(await self._request("steps"))
+                self._committed = set(await self._request(StepsReq))
             return d
 
     async def _reader(self, d: _Daemon) -> None:
@@ -433,7 +440,7 @@ class AsyncCheckpointManager:
         waiting for this rank now rather than at their deadline."""
         with contextlib.suppress(CheckpointError):
             for step, uuid in lost:
-                await self._request("publish_failure", step=step, uuid=uuid, message=why)
+                await self._request(PublishFailureReq, step=step, uuid=uuid, message=why)
 
     def _save_done(self, msg: SaveDone) -> None:
         handle = self._pending.pop(msg.uuid, None)
@@ -450,10 +457,9 @@ class AsyncCheckpointManager:
                 "save.end",
                 uuid=handle.uuid,
                 step=handle.step,
-                nbytes=msg.info["nbytes"] if msg.info else None,
+                nbytes=msg.info.nbytes if msg.info else None,
             )
-        info = CheckpointInfo(**msg.info) if msg.info is not None else None
-        handle._resolve(info, msg.error)
+        handle._resolve(msg.info, msg.error)
 
     def _fail(self, handle: SaveHandle, err: BaseException) -> None:
         self._pending.pop(handle.uuid, None)
@@ -461,7 +467,7 @@ class AsyncCheckpointManager:
         self.events.emit("save.exception", uuid=handle.uuid, step=handle.step, error=err)
         handle._resolve(error=err)
 
-    async def _request(self, op: str, **args: Any) -> Any:
+    async def _request(self, kind: type[ReadReq], **fields: Any) -> Any:
         d = self._daemon
         if d is None or not d.alive:
             d = await self._live_daemon()
@@ -469,7 +475,7 @@ class AsyncCheckpointManager:
         ev, box = anyio.Event(), []
         self._requests[rid] = (ev, box)
         try:
-            d.chan.send(Request(rid, op, args))
+            d.chan.send(kind(rid, **fields))
         except (OSError, ValueError):
             self._requests.pop(rid, None)
             raise DaemonDiedError(
@@ -656,7 +662,7 @@ class AsyncCheckpointManager:
     async def steps(self) -> list[int]:
         """Committed steps, ascending."""
         self._check_open()
-        return list(await self._request("steps"))
+        return list(await self._request(StepsReq))
 
     async def latest_step(self) -> int | None:
         steps = await self.steps()
@@ -670,7 +676,10 @@ class AsyncCheckpointManager:
             raise ValueError(f"metric must be a non-empty str, not {metric!r}")
         if mode not in ("min", "max"):
             raise ValueError(f"mode must be 'min' or 'max', not {mode!r}")
-        records = [CheckpointRecord(s, t, m) for s, t, m in await self._request("records")]
+        records = [
+            CheckpointRecord(r.step, r.created_at, r.metrics)
+            for r in await self._request(RecordsReq)
+        ]
         order = best_order(records, metric, mode)
         return records[order[0]].step if order else None
 
@@ -686,10 +695,10 @@ class AsyncCheckpointManager:
                 self._check_load_step(step)
             if into is None:
                 reply = await self._request(
-                    "load", step=step, rank=self.rank, world_size=self.world_size
+                    LoadReq, step=step, rank=self.rank, world_size=self.world_size
                 )
-                with fmt.gc_paused():  # 20k fresh views and containers: see gc_paused
-                    result = unflatten(reply["tree"], _map_loaded(reply))
+                with gc_paused():  # 20k fresh views and containers: see gc_paused
+                    result = unflatten(reply.tree, _map_loaded(reply))
             else:
                 reply, result = await self._load_into(step, into)
         except BaseException as e:
@@ -698,13 +707,13 @@ class AsyncCheckpointManager:
         self.events.emit(
             "load.end",
             uuid=op,
-            step=reply["step"],
+            step=reply.step,
             duration_s=time.monotonic() - t0,
-            nbytes=reply["nbytes"],
+            nbytes=reply.nbytes,
         )
         return result
 
-    async def _load_into(self, step: int | None, into: Any) -> tuple[dict[str, Any], Any]:
+    async def _load_into(self, step: int | None, into: Any) -> tuple[LoadReply, Any]:
         """Restore into existing objects, reading through a warm staging slab when one fits.
 
         The slab is the one the next save of this state will use anyway: the daemon reads
@@ -720,22 +729,22 @@ class AsyncCheckpointManager:
             slab = await self._pool.acquire(layout.file_size, layout.id)
         try:
             reply = await self._request(
-                "load",
+                LoadReq,
                 step=step,
                 rank=self.rank,
                 world_size=self.world_size,
-                slab=(slab.name, slab.size) if slab is not None else None,
+                slab=SlabRef(slab.name, slab.size) if slab is not None else None,
             )
-            if reply["segment"] is None:
+            if reply.segment is None:
                 assert slab is not None
                 self._pool.reuse_for_load(slab)
-                tensors = _views(slab.u8, reply["tensors"])
+                tensors = _views(slab.u8, reply.tensors)
                 owned = False
             else:
                 tensors, owned = _map_loaded(reply), True
             result = await anyio.to_thread.run_sync(
                 functools.partial(
-                    load_into, into, reply["tree"], tensors, owned=owned, copy=copy_pairs
+                    load_into, into, reply.tree, tensors, owned=owned, copy=copy_pairs
                 )
             )
             del tensors
@@ -820,9 +829,10 @@ def _clean_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
     return data
 
 
-def _map_loaded(reply: dict[str, Any]) -> dict[str, torch.Tensor]:
+def _map_loaded(reply: LoadReply) -> dict[str, torch.Tensor]:
     """Map the daemon's load segment and view each tensor in it (no copy)."""
-    name, size = reply["segment"], reply["size"]
+    name, size = reply.segment, reply.size
+    assert name is not None
     fd = _posixshmem.shm_open(name, os.O_RDWR, mode=0o600)
     try:
         mm = mmap.mmap(fd, max(size, 1), flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
@@ -830,10 +840,10 @@ def _map_loaded(reply: dict[str, Any]) -> dict[str, torch.Tensor]:
         os.close(fd)
         _posixshmem.shm_unlink(name)  # the mapping lives on as long as the tensors do
     u8 = torch.frombuffer(mm, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
-    return _views(u8, reply["tensors"])
+    return _views(u8, reply.tensors)
 
 
-@fmt.no_gc
+@no_gc
 def _views(u8: torch.Tensor, specs: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Each loaded tensor as a view of the bytes the daemon read.
 

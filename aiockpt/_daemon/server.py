@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
-import sys
 import threading
 import time
 import traceback
@@ -22,30 +21,41 @@ from typing import Any
 
 import crc32c
 
-from . import _format as fmt
-from ._channel import (
-    Channel,
-    DaemonConfig,
+from .._core import format as fmt
+from .._core.gc import no_gc
+from .._core.protocol import (
+    CheckpointInfo,
+    CollectPartialsReq,
     EventMsg,
+    Hello,
     LayoutMsg,
+    LoadReply,
+    LoadReq,
+    ProtocolMismatch,
+    PublishFailureReq,
+    ReadReq,
     Ready,
+    RecordsReq,
     Reply,
-    Request,
     SaveDone,
     SaveReq,
     SlabFree,
+    SlabRef,
+    StepRecord,
+    StepsReq,
     Stop,
+    check_protocol,
 )
-from ._coord import Coordinator, Part, merge
-from ._shm import Segment, trainer_segments, unlink
-from .errors import (
+from .._core.shm import Segment, trainer_segments, unlink
+from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     DistributedSaveError,
     StepExistsError,
 )
-from .retention import CheckpointRecord, select_deletions
+from ..retention import CheckpointRecord, select_deletions
+from .coord import Coordinator, Part, merge
 
 #: Loads read this much at a time, checksumming what was read while the next chunk comes.
 LOAD_CHUNK = 64 * 1024 * 1024
@@ -84,9 +94,24 @@ class _Layout:
         return self._json_parts
 
 
+class PipeEnd:
+    """The daemon's end of the pipe: ``send`` from any thread, ``recv`` from the main one."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, msg: object) -> None:
+        with self._lock:
+            self.conn.send(msg)
+
+    def recv(self) -> object:
+        return self.conn.recv()
+
+
 class Daemon:
-    def __init__(self, chan: Channel, cfg: DaemonConfig) -> None:
-        self.chan = chan
+    def __init__(self, pipe: PipeEnd, cfg: Hello) -> None:
+        self.pipe = pipe
         self.cfg = cfg
         self.slabs: dict[str, Segment] = {}
         self.layouts: dict[int, _Layout] = {}
@@ -100,15 +125,16 @@ class Daemon:
         self.lock = threading.Lock()  # guards index and in_flight
         self.peer_gone = False
         self.save_q: queue.Queue[SaveReq | None] = queue.Queue()
-        self.read_q: queue.Queue[Request | None] = queue.Queue()
+        self.read_q: queue.Queue[ReadReq | None] = queue.Queue()
         self.pool = ThreadPoolExecutor(2, thread_name_prefix="aiockpt-crc")
         self.shard = fmt.shard_filename(cfg.rank)
         self.coord: Coordinator | None = None
-        from .storage import open_storage
+        from ..storage import open_storage
 
         self.storage = open_storage(cfg.url, cfg.storage_options)
         if cfg.world_size > 1:
-            self.coord = Coordinator(self.storage, cfg.rank, cfg.world_size, cfg.dist["timeout"])
+            assert cfg.dist_timeout is not None
+            self.coord = Coordinator(self.storage, cfg.rank, cfg.world_size, cfg.dist_timeout)
 
     # ----------------------------------------------------------------- plumbing
 
@@ -116,7 +142,7 @@ class Daemon:
         if self.peer_gone:
             return
         try:
-            self.chan.send(msg)
+            self.pipe.send(msg)
         except (OSError, EOFError, ValueError):
             self.peer_gone = True  # the trainer died: finish what is staged, quietly
 
@@ -174,7 +200,7 @@ class Daemon:
     def collect_partials(self) -> list[int]:
         """Remove step directories without a manifest (a crash mid-save) below the newest
         committed step; see :func:`collectable_partials` for why newer ones stay."""
-        from .retention import collectable_partials
+        from ..retention import collectable_partials
 
         step_dirs = {}
         for name in self.storage.list_dir(""):
@@ -290,13 +316,13 @@ class Daemon:
                 nbytes=nbytes,
                 where="daemon",
             )
-            info = {
-                "step": req.step,
-                "url": f"{self.storage.url.rstrip('/')}/{step_dir}",
-                "created_at": created_at,
-                "nbytes": nbytes,
-                "metrics": req.metrics,
-            }
+            info = CheckpointInfo(
+                step=req.step,
+                url=f"{self.storage.url.rstrip('/')}/{step_dir}",
+                created_at=created_at,
+                nbytes=nbytes,
+                metrics=req.metrics,
+            )
             deleted, error = self.apply_retention(req.uuid, req.step)
             if self.coord is not None and self.cfg.rank == 0:
                 self.coord.finished(req.step, req.uuid)  # the others' handles resolve now
@@ -369,10 +395,24 @@ class Daemon:
 
     # ----------------------------------------------------------------- reads
 
+    def handle(self, req: ReadReq) -> Any:
+        """Answer one read-side request: the value of its :class:`Reply`."""
+        if isinstance(req, LoadReq):
+            return self.op_load(req.step, req.rank, req.world_size, req.slab)
+        if isinstance(req, StepsReq):
+            return tuple(self.op_steps())
+        if isinstance(req, RecordsReq):
+            return tuple(self.op_records())
+        if isinstance(req, CollectPartialsReq):
+            return tuple(self.op_collect_partials())
+        if isinstance(req, PublishFailureReq):
+            return self.op_publish_failure(req.step, req.uuid, req.message)
+        raise TypeError(f"the daemon has no handler for {type(req).__name__}")
+
     def read_loop(self) -> None:
         while (req := self.read_q.get()) is not None:
             try:
-                reply = Reply(req.id, value=getattr(self, f"op_{req.op}")(**req.args))
+                reply = Reply(req.id, value=self.handle(req))
             except BaseException as e:
                 reply = Reply(req.id, error=remote_error(e))
             try:
@@ -383,13 +423,13 @@ class Daemon:
     def op_steps(self) -> list[int]:
         return self.committed_steps()
 
-    def op_records(self) -> list[tuple[int, float, dict[str, Any]]]:
-        """(step, commit time, metrics) of every readable committed checkpoint."""
+    def op_records(self) -> list[StepRecord]:
+        """The record of every readable committed checkpoint."""
         out = []
         for step in self.committed_steps():
             with contextlib.suppress(CorruptCheckpointError):
                 r = self.read_record(step)
-                out.append((r.step, r.time, r.metrics))
+                out.append(StepRecord(r.step, r.time, r.metrics))
         return out
 
     def op_collect_partials(self) -> list[int]:
@@ -432,14 +472,14 @@ class Daemon:
                 f"identically, such as DDP-replicated weights, can be): {shown}"
             )
 
-    @fmt.no_gc
+    @no_gc
     def op_load(
         self,
         step: int | None,
         rank: int,
         world_size: int = 1,
-        slab: tuple[str, int] | None = None,
-    ) -> dict[str, Any]:
+        slab: SlabRef | None = None,
+    ) -> LoadReply:
         """Read and verify a rank's tensors into shared memory: into the trainer's ``slab``
         when given and large enough, else into a new segment the trainer takes over."""
         steps = self.committed_steps()
@@ -470,9 +510,10 @@ class Daemon:
         fmt.check_tree(m.trees[rank], set(records), path=where)
         lo = min((r.start for r in records.values()), default=0)
         hi = max((r.end for r in records.values()), default=0)
-        pooled = slab is not None and slab[1] >= hi - lo
+        pooled = slab is not None and slab.size >= hi - lo
         if pooled:
-            seg = self.slab(*slab)
+            assert slab is not None
+            seg = self.slab(slab.name, slab.size)
         else:
             seg = Segment.create(hi - lo, kind="load", populate=False)
             self.load_segments.add(seg.name)
@@ -503,18 +544,18 @@ class Daemon:
             raise
         if not pooled:
             seg.close()  # the trainer maps it and takes it over
-        return {
-            "step": step,
-            "segment": None if pooled else seg.name,
-            "size": hi - lo,
-            "tensors": tensors,
-            "tree": m.trees[rank],
-            "metrics": m.metrics,
-            "metadata": m.metadata,
-            "created_at": m.created_at,
-            "nbytes": m.nbytes,
-            "url": f"{self.storage.url.rstrip('/')}/{fmt.step_dirname(step)}",
-        }
+        return LoadReply(
+            step=step,
+            segment=None if pooled else seg.name,
+            size=hi - lo,
+            tensors=tensors,
+            tree=m.trees[rank],
+            metrics=m.metrics,
+            metadata=m.metadata,
+            created_at=m.created_at,
+            nbytes=m.nbytes,
+            url=f"{self.storage.url.rstrip('/')}/{fmt.step_dirname(step)}",
+        )
 
     # ----------------------------------------------------------------- main loop
 
@@ -524,10 +565,9 @@ class Daemon:
         writer.start()
         reader.start()
         trainer_gone = False
-        conn = self.chan.conn
         while True:
             try:
-                msg = conn.recv()
+                msg = self.pipe.recv()
             except (EOFError, OSError):
                 trainer_gone = True
                 break
@@ -535,7 +575,7 @@ class Daemon:
                 with self.lock:
                     self.in_flight.add(msg.step)
                 self.save_q.put(msg)
-            elif isinstance(msg, Request):
+            elif isinstance(msg, ReadReq):
                 self.read_q.put(msg)
             elif isinstance(msg, Stop):
                 break
@@ -566,21 +606,20 @@ def _ranges(steps: list[int]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    conn = Connection(int(argv[1]))
-    chan = Channel(conn)
+    """Serve the trainer at the other end of the pipe inherited as file descriptor argv[1]."""
+    pipe = PipeEnd(Connection(int(argv[1])))
     with contextlib.suppress(AttributeError, OSError):
         os.nice(10)  # the trainer comes first; measured: trainer CPU share up when contended
     try:
-        cfg = conn.recv()
-        daemon = Daemon(chan, cfg)
+        hello = pipe.recv()
+        check_protocol(getattr(hello, "protocol", None), "trainer")
+        if not isinstance(hello, Hello):
+            raise ProtocolMismatch(f"the trainer sent {type(hello).__name__} instead of Hello")
+        daemon = Daemon(pipe, hello)
         daemon.start()
     except BaseException as e:
         with contextlib.suppress(Exception):
-            chan.send(Ready(os.getpid(), error=remote_error(e)))
+            pipe.send(Ready(os.getpid(), error=remote_error(e)))
         return 1
-    chan.send(Ready(os.getpid()))
+    pipe.send(Ready(os.getpid()))
     return daemon.serve()
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv))

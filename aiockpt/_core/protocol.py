@@ -1,0 +1,252 @@
+"""The messages between a manager and its daemon: one frozen dataclass per request and reply.
+
+Both ends are this package, so the pipe carries pickled instances of these classes; what
+comes from *storage* is never unpickled. Messages stay small: names, layouts, JSON-able trees
+and replies, never tensor bytes (those travel through shared memory).
+
+The conversation:
+
+- The trainer sends :class:`Hello` first; the daemon answers :class:`Ready` (or ``Ready`` with
+  an error, and exits). Each side checks the other's :data:`PROTOCOL`, so a daemon and a manager
+  of different versions never talk past each other.
+- :class:`SaveReq` goes to the daemon's writer, in order; the daemon answers
+  :class:`SlabFree` once the slab's bytes are durable, then one :class:`SaveDone`.
+- A :class:`ReadReq` (steps, records, load, …) goes to the daemon's reader and is answered by
+  one :class:`Reply` with the same ``id``, whose ``value`` is the request's reply type.
+- :class:`EventMsg` carries the daemon's events up, in order; :class:`Stop` asks it to finish
+  what is queued and exit.
+
+This module imports nothing from aiockpt or outside the standard library.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Bumped on any change to these messages; checked by both ends in the handshake.
+PROTOCOL = 2
+
+#: How a loaded tensor lies in shared memory: (safetensors dtype, shape, byte offset).
+TensorAt = tuple[str, tuple[int, ...], int]
+#: A shard layout entry: (name, safetensors dtype, shape, start, end), offsets relative to the
+#: data section.
+LayoutEntry = tuple[str, str, tuple[int, ...], int, int]
+
+
+class ProtocolMismatch(Exception):
+    """The two ends speak different protocol versions (the message names both)."""
+
+
+def check_protocol(theirs: object, who: str) -> None:
+    """Raise :class:`ProtocolMismatch` unless ``theirs`` is this module's :data:`PROTOCOL`."""
+    if theirs != PROTOCOL:
+        raise ProtocolMismatch(
+            f"the {who} speaks aiockpt daemon protocol {theirs!r}, this side speaks {PROTOCOL}: "
+            "the trainer and the daemon must come from the same aiockpt installation"
+        )
+
+
+# --------------------------------------------------------------------------- shared records
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    """A committed checkpoint: what ``await handle`` returns."""
+
+    step: int
+    url: str
+    created_at: float
+    nbytes: int
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """What retention and ``best_step`` see of a committed checkpoint."""
+
+    step: int
+    created_at: float
+    metrics: dict[str, Any]
+
+
+# --------------------------------------------------------------------------- trainer -> daemon
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """Everything the daemon needs to start; sent once, answered by :class:`Ready`."""
+
+    url: str
+    storage_options: dict[str, Any]
+    retention: Any  # a retention policy or None; pickled by reference
+    rank: int = 0
+    world_size: int = 1
+    trainer_pid: int = 0
+    collect_partials: bool = True
+    #: Seconds the ranks of a multi-rank save wait for each other; None on one rank.
+    dist_timeout: float | None = None
+    protocol: int = PROTOCOL
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutMsg:
+    """A shard layout, sent once per daemon and then named by ``id``."""
+
+    id: int
+    data_start: int
+    file_size: int
+    #: The tensors in file order.
+    specs: tuple[LayoutEntry, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SaveReq:
+    """Write the staged slab as this rank's shard of ``step`` and commit it."""
+
+    uuid: str
+    step: int
+    slab: str
+    slab_size: int
+    layout_id: int
+    layout: LayoutMsg | None
+    tree: Any
+    metrics: dict[str, Any]
+    metadata: dict[str, Any]
+    #: Slabs the trainer unlinked: unmap them.
+    forget: tuple[str, ...] = ()
+    #: State-tree fragments the daemon does not hold yet, by id: the tree refers to a fragment
+    #: by a reference string and the daemon splices in its encoded text (format.encode_tree).
+    fragments: dict[int, Any] = field(default_factory=dict)
+    #: Fragments and layouts no later request will refer to.
+    forget_fragments: tuple[int, ...] = ()
+    forget_layouts: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ReadReq:
+    """A request for the daemon's reader, answered by a :class:`Reply` with the same ``id``;
+    each kind says what the reply's ``value`` holds."""
+
+    id: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepsReq(ReadReq):
+    """The committed steps, fresh from storage: a tuple of ints, ascending."""
+
+
+@dataclass(frozen=True, slots=True)
+class RecordsReq(ReadReq):
+    """A tuple of :class:`StepRecord`, one per committed checkpoint whose manifest reads."""
+
+
+@dataclass(frozen=True, slots=True)
+class CollectPartialsReq(ReadReq):
+    """Remove partial step directories that no save can still be writing: a tuple of the
+    steps removed."""
+
+
+@dataclass(frozen=True, slots=True)
+class PublishFailureReq(ReadReq):
+    """Tell the other ranks that this rank's save of ``step`` failed (value: None)."""
+
+    step: int
+    uuid: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class SlabRef:
+    """A trainer's staging slab lent to a load."""
+
+    name: str
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReq(ReadReq):
+    """Read and verify ``rank``'s tensors of ``step`` (latest when None) into shared memory:
+    into ``slab`` when it is large enough, else a new segment the trainer takes over (value:
+    a :class:`LoadReply`)."""
+
+    step: int | None
+    rank: int
+    world_size: int
+    slab: SlabRef | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReply:
+    """Where a load's verified bytes are, and what the checkpoint says of them."""
+
+    step: int
+    #: The new segment to map, or None when the bytes are in the lent slab.
+    segment: str | None
+    size: int
+    tensors: dict[str, TensorAt]
+    tree: Any
+    metrics: dict[str, Any]
+    metadata: dict[str, Any]
+    created_at: float
+    nbytes: int
+    url: str
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Finish what is queued, then exit."""
+
+
+# --------------------------------------------------------------------------- daemon -> trainer
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """The daemon started (``error`` None) or could not (and exits)."""
+
+    pid: int
+    protocol: int = PROTOCOL
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SlabFree:
+    """The slab's bytes are durable: the trainer may fill it again."""
+
+    slab: str
+
+
+@dataclass(frozen=True, slots=True)
+class SaveDone:
+    """The end of one save: committed (``info``), failed (``error``), or committed with a
+    retention failure (both)."""
+
+    uuid: str
+    info: CheckpointInfo | None = None
+    #: Steps retention deleted after this commit.
+    deleted: tuple[int, ...] = ()
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """The answer to the :class:`ReadReq` with the same ``id``."""
+
+    id: int
+    value: Any = None
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EventMsg:
+    """An event made in the daemon, delivered by the trainer's event dispatcher."""
+
+    name: str
+    uuid: str | None
+    step: int | None
+    fields: dict[str, Any]
+
+
+ToDaemon = Hello | SaveReq | ReadReq | Stop
+ToTrainer = Ready | SlabFree | SaveDone | Reply | EventMsg

@@ -1,0 +1,117 @@
+"""The package layout shows the two processes, and these tests hold it to that.
+
+- ``aiockpt/_trainer/``: runs in the training process, next to torch;
+- ``aiockpt/_daemon/``: runs only in the daemon process;
+- shared code: ``aiockpt/_core/``, ``storage/``, ``errors``, ``retention``, ``events``.
+
+The rules: the daemon side and the CLI never import torch; the trainer side never imports the
+daemon side; shared code imports neither torch (``events.process_group_info`` imports
+``torch.distributed`` lazily, called only by the trainer side) nor either side.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parent.parent / "aiockpt"
+
+
+def modules(*parts: str) -> list[Path]:
+    base = PKG.joinpath(*parts)
+    return [base] if base.suffix == ".py" else sorted(base.rglob("*.py"))
+
+
+def package_of(path: Path) -> str:
+    name = ".".join(path.relative_to(PKG.parent).with_suffix("").parts)
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
+def imports(
+    path: Path, *, package: str | None = None, top_level_only: bool = False
+) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in ``path``, a module of ``package``."""
+    tree = ast.parse(path.read_text(), str(path))
+    if package is None:
+        package = package_of(path)
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    found = []
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.append((node.lineno, base))
+            # `from . import x` imports the submodule x
+            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+    return found
+
+
+def violations(paths: list[Path], forbidden: tuple[str, ...], **kw: object) -> list[str]:
+    out = []
+    for path in paths:
+        for line, name in imports(path, **kw):  # type: ignore[arg-type]
+            if any(name == f or name.startswith(f + ".") for f in forbidden):
+                out.append(f"{path.name}:{line} imports {name}")
+    return out
+
+
+SHARED = [
+    *modules("_core"),
+    *modules("storage"),
+    *modules("errors.py"),
+    *modules("retention.py"),
+]
+
+
+def test_the_daemon_side_and_the_cli_never_import_torch_or_the_trainer_side():
+    paths = [*modules("_daemon"), *modules("cli.py")]
+    assert violations(paths, ("torch", "numpy", "aiockpt._trainer", "anyio")) == []
+
+
+def test_the_trainer_side_never_imports_the_daemon_side():
+    assert violations(modules("_trainer"), ("aiockpt._daemon",)) == []
+
+
+def test_shared_code_imports_neither_side_nor_torch():
+    forbidden = ("torch", "aiockpt._trainer", "aiockpt._daemon", "aiockpt.cli")
+    assert violations(SHARED, forbidden) == []
+    # events: torch.distributed only inside process_group_info, which the trainer calls.
+    assert violations(modules("events.py"), forbidden, top_level_only=True) == []
+
+
+def test_the_protocol_depends_on_nothing_but_the_standard_library():
+    names = [name for _, name in imports(PKG / "_core" / "protocol.py")]
+    assert [n for n in names if n.split(".")[0] not in sys.stdlib_module_names] == []
+
+
+def test_the_rules_catch_a_forbidden_import(tmp_path):
+    """The checker itself finds relative and absolute imports at any depth."""
+    bad = tmp_path / "probe.py"
+    bad.write_text("def f():\n    from .._trainer import state\n    import torch.cuda\n")
+    found = violations([bad], ("torch", "aiockpt._trainer"), package="aiockpt._daemon")
+    assert found == [
+        "probe.py:2 imports aiockpt._trainer",
+        "probe.py:2 imports aiockpt._trainer.state",
+        "probe.py:3 imports torch.cuda",
+    ]
+
+
+@pytest.mark.parametrize("module", ["aiockpt._daemon.server", "aiockpt.cli"])
+def test_loading_the_daemon_or_the_cli_loads_no_torch(module):
+    code = (
+        f"import sys, {module}; "
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'anyio') "
+        "or m.startswith('aiockpt._trainer')); "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
