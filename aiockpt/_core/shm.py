@@ -63,11 +63,10 @@ class Segment:
         return cls(name, size, create=False)
 
     def close(self) -> None:
-        """Unmap. Every view of ``buf`` (numpy, torch.frombuffer) must be dropped first."""
-        if self.buf is not None:
-            self.buf.release()
-            self.buf = None
-            self.mm.close()
+        """Unmap (again is a no-op). Every view of ``buf`` (numpy, torch.frombuffer) must be
+        dropped first."""
+        self.buf.release()
+        self.mm.close()
 
     def unlink(self) -> None:
         unlink(self.name)

@@ -51,11 +51,11 @@ def _reference(factory: StorageFactory | str) -> str:
         return factory
     if not callable(factory):
         raise TypeError(f"the storage factory {factory!r} is not callable")
-    module = getattr(factory, "__module__", None)
+    where: str | None = getattr(factory, "__module__", None)
     qualname = getattr(factory, "__qualname__", None)
-    ref = f"{module}:{qualname}"
+    ref = f"{where}:{qualname}"
     try:
-        found = _import(ref) if module and module != "__main__" else None
+        found = _import(ref) if where and where != "__main__" else None
     except (ImportError, AttributeError):
         found = None
     if found is not factory:
