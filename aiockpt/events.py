@@ -43,6 +43,7 @@ logger = logging.getLogger("aiockpt")
 #: Entry-point group of handler factories.
 ENTRY_POINT_GROUP = "aiockpt.event_handlers"
 
+#: A handler is any callable taking an :class:`Event`; what it returns is ignored.
 EventHandler = Callable[["Event"], object]
 
 EVENT_NAMES = frozenset(
@@ -86,6 +87,7 @@ class Event:
     error: dict[str, str] | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        """The event as a plain dict of its fields."""
         return asdict(self)
 
     def to_json(self) -> str:
@@ -130,6 +132,7 @@ class RecordedError(Exception):
 
     @classmethod
     def from_event(cls, event: Event) -> RecordedError:
+        """The error an ``*.exception`` event carries, as an exception to raise or inspect."""
         if event.error is None:
             raise ValueError(f"{event.name} carries no error")
         e = event.error

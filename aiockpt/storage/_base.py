@@ -33,7 +33,9 @@ class Storage(Protocol):
     def size(self, path: str) -> int:
         """A file's size in bytes."""
 
-    def exists(self, path: str) -> bool: ...
+    def exists(self, path: str) -> bool:
+        """Whether a file or directory is there, never from a stale cache."""
+        ...
 
     def list_dir(self, path: str) -> list[str]:
         """Names directly under a directory ("" is the root), never from a stale cache;
@@ -45,4 +47,6 @@ class Storage(Protocol):
     def delete(self, path: str, *, recursive: bool = False) -> None:
         """Remove a file, or a directory and everything under it; missing is not an error."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release connections and caches; the storage is not used after this."""
+        ...

@@ -42,6 +42,7 @@ class StorageContract:
 
     @pytest.fixture
     def storage_factory(self) -> Callable[[], Storage]:
+        """Override: a zero-argument callable opening the same root afresh each call."""
         raise NotImplementedError("provide a storage_factory fixture opening the same root")
 
     @pytest.fixture
@@ -61,6 +62,7 @@ class StorageContract:
 
     @pytest.fixture
     def storage(self, opened: Callable[[], Storage]) -> Storage:
+        """One storage opened by the factory, for a test to use."""
         s = opened()
         assert isinstance(s, Storage)
         return s
