@@ -1,49 +1,12 @@
 from __future__ import annotations
 
-import os
-import time
-
-import psutil
 import pytest
-
-SHM = "/dev/shm"
-
-
-def _segments() -> set[str]:
-    try:
-        return {n for n in os.listdir(SHM) if n.startswith("aiockpt-")}
-    except FileNotFoundError:
-        return set()
+from _support.leaks import no_leaks  # noqa: F401 - an autouse fixture: pytest finds it here
 
 
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-@pytest.fixture(autouse=True)
-def no_leaks():
-    """After every test: no shared-memory segment and no daemon process left behind."""
-    before = _segments()
-    yield
-    deadline = time.monotonic() + 10
-    while True:
-        leaked = _segments() - before
-        children = [
-            p
-            for p in psutil.Process().children(recursive=True)
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-        ]
-        daemons = [p for p in children if "aiockpt._daemon" in " ".join(p.cmdline())]
-        if not leaked and not daemons:
-            return
-        if time.monotonic() > deadline:
-            for p in daemons:
-                p.kill()
-            for name in leaked:
-                os.unlink(os.path.join(SHM, name))
-            pytest.fail(f"leaked shared memory {sorted(leaked)} / daemon processes {daemons}")
-        time.sleep(0.05)
 
 
 @pytest.fixture

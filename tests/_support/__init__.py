@@ -1,0 +1,1 @@
+"""Helpers shared by aiockpt's tests and its plugins' tests."""
