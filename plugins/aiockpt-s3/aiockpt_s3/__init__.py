@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
-from ._storage import S3Options, S3Storage, open_s3
+from ._options import S3Options
+from ._storage import S3Storage, open_s3
 
 __all__ = ["S3Options", "S3Storage", "open_s3"]

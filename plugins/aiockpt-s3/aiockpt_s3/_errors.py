@@ -1,0 +1,135 @@
+"""What S3's failures mean: which ones a retry may cure, and the StorageError each becomes."""
+
+from __future__ import annotations
+
+import asyncio
+import errno as errno_mod
+import traceback
+
+# aiohttp is what aiobotocore sends with; its errors can escape botocore's wrapping.
+from aiohttp import ClientError as _AiohttpError
+from botocore.exceptions import ClientError, HTTPClientError, IncompleteReadError
+from botocore.exceptions import ConnectionError as BotoConnectionError
+from botocore.parsers import ResponseParserError
+
+from aiockpt.errors import StorageError
+
+#: Error codes S3 (and S3-compatible servers) answer when a retry may succeed.
+TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestThrottled",
+        "RequestLimitExceeded",
+        "TooManyRequestsException",
+        "BandwidthLimitExceeded",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "InternalError",
+        "ServiceUnavailable",
+        "PriorRequestNotComplete",
+        "XAmzContentSHA256Mismatch",  # the body was damaged on the way
+        "BadDigest",
+    }
+)
+
+
+class GaveUp(Exception):
+    """A request failed for good: not transient, or out of retries."""
+
+    def __init__(self, op: str, key: str, cause: BaseException, attempts: int) -> None:
+        super().__init__(op, key)
+        self.op, self.key, self.cause, self.attempts = op, key, cause, attempts
+
+
+def error_code(e: BaseException) -> tuple[str, int]:
+    """S3's error code and HTTP status in ``e``; ``("", 0)`` when S3 did not answer."""
+    if isinstance(e, ClientError):
+        err = e.response.get("Error", {})
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+        return str(err.get("Code", "")), int(status)
+    return "", 0
+
+
+def is_transient(e: BaseException) -> bool:
+    """Whether a retry of the request that raised ``e`` may succeed."""
+    if isinstance(e, ClientError):
+        code, status = error_code(e)
+        return code in TRANSIENT_CODES or status >= 500 or status == 429
+    return isinstance(
+        e,
+        (
+            HTTPClientError,  # connection reset/closed, read timeouts
+            BotoConnectionError,  # connection refused, connect timeouts
+            IncompleteReadError,
+            ResponseParserError,  # throttling answers are sometimes not XML
+            _AiohttpError,
+            ConnectionError,
+            TimeoutError,
+            asyncio.TimeoutError,
+        ),
+    )
+
+
+def no_such_bucket(op: str, key: str) -> GaveUp:
+    """The failure of a request on ``key`` whose bucket turned out not to exist."""
+    return GaveUp(op, key, ClientError({"Error": {"Code": "NoSuchBucket"}}, "HeadBucket"), 1)
+
+
+def storage_error(
+    op: str, where: str, bucket: str, e: BaseException, attempts: int
+) -> StorageError:
+    """The StorageError that tells the caller ``op`` on ``where`` failed because of ``e``."""
+    if isinstance(e, StorageError):  # it says what went wrong already; only the path is ours
+        return StorageError(str(e), path=where, errno=e.errno)
+    msg, num = _reason(e, bucket)
+    tries = f" after {attempts} attempts" if attempts > 1 else ""
+    err = StorageError(f"{op} {where} failed{tries}: {msg}", path=where, errno=num)
+    err.__cause__ = e
+    return err
+
+
+def _reason(e: BaseException, bucket: str) -> tuple[str, int]:
+    """What went wrong, in words, and the errno that says it."""
+    code, status = error_code(e)
+    if code == "NoSuchBucket":
+        return f"the bucket {bucket!r} does not exist", errno_mod.ENOENT
+    if code in ("NoSuchKey", "404", "NotFound") or status == 404:
+        return "no such object", errno_mod.ENOENT
+    if code in ("AccessDenied", "403", "Forbidden") or status == 403:
+        return f"access denied ({e})", errno_mod.EACCES
+    if code == "InvalidRange":
+        return "the object ends before the requested range", errno_mod.EIO
+    if code in ("NotImplemented", "InvalidArgument", "InvalidRequest") and "hecksum" in str(e):
+        return (
+            f"the server refused the request ({e}); if it does not accept S3's additional "
+            "checksums, pass storage_options={'checksum': None}"
+        ), errno_mod.EINVAL
+    num = _os_errno(e)
+    if num is None:
+        num = errno_mod.ETIMEDOUT if isinstance(e, TimeoutError) else errno_mod.EIO
+    return f"{type(e).__name__}: {e}", num
+
+
+def _os_errno(e: BaseException) -> int | None:
+    """The errno of the first OSError in the chain of ``e``."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and isinstance(cur.errno, int):
+            return cur.errno
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
+def clear_frames(e: BaseException | None) -> None:
+    """Drop the locals of finished frames in ``e``'s chain: they hold views of the caller's
+    buffers, which must not outlive the call (shared memory cannot be unmapped under them)."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if e.__traceback__ is not None:
+            traceback.clear_frames(e.__traceback__)
+        e = e.__cause__ or e.__context__
