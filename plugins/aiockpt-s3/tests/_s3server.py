@@ -78,6 +78,7 @@ class S3Server:
         )
 
     def new_bucket(self) -> str:
+        """A new, empty bucket with a unique name."""
         name = f"b-{uuid.uuid4().hex[:16]}"
         self.client().create_bucket(Bucket=name)
         return name
@@ -93,12 +94,14 @@ class S3Server:
         }
 
     def stop(self) -> None:
+        """Shut the server down and wait for its thread."""
         self._server.shutdown()
         self._server.server_close()
         self._thread.join()
 
 
 def is_upload_part(environ: dict[str, Any]) -> bool:
+    """Whether the request is an UploadPart of a multipart upload."""
     query = environ.get("QUERY_STRING", "")
     return environ["REQUEST_METHOD"] == "PUT" and "partNumber=" in query and "uploadId=" in query
 
@@ -119,6 +122,7 @@ class Gate:
         self.up()
 
     def up(self) -> None:
+        """Listen on ``port`` again and relay what comes in."""
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", self.port))
@@ -182,6 +186,7 @@ class Gate:
 
 @contextlib.contextmanager
 def running() -> Iterator[S3Server]:
+    """A server for the ``with`` block."""
     server = S3Server()
     try:
         yield server

@@ -40,6 +40,8 @@ def _uploads(s3: S3Server, bucket: str) -> list[dict[str, Any]]:
 
 
 class TestS3Contract(StorageContract):
+    """A root under a prefix of the bucket."""
+
     large_size = 11 * MiB + 123  # three parts of 5 MiB
 
     @pytest.fixture
