@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -21,10 +22,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, TextIO
 
-import crc32c
-
 from ._core import format as fmt
-from .errors import CheckpointError, CorruptCheckpointError
+from ._core.catalog import Catalog
+from .errors import CheckpointError
 from .retention import (
     AnyOf,
     BestN,
@@ -36,14 +36,9 @@ from .retention import (
     collectable_partials,
     select_deletions,
 )
-from .storage import Storage, open_storage
+from .storage import open_storage
 
 __all__ = ["main"]
-
-#: A manifest larger than this is refused before it is read (as the daemon does).
-MAX_MANIFEST_BYTES = 1 << 30
-#: verify reads shards in pieces of this size: bounded memory, whatever the checkpoint size.
-CHUNK = 16 << 20
 
 
 class UsageError(Exception):
@@ -68,7 +63,9 @@ class Entry:
 
 @dataclass(slots=True)
 class Root:
-    storage: Storage
+    """What a scan found in a root, named by ``url`` as the user gave it."""
+
+    catalog: Catalog
     url: str
     committed: list[Entry]
     partials: list[int]
@@ -78,45 +75,34 @@ class Root:
         return f"{base}/{path}" if path else base
 
 
-def open_root(url: str, options: dict[str, Any]) -> Storage:
+def open_root(url: str, options: dict[str, Any]) -> Catalog:
+    """The catalog of the root at ``url``; a root that cannot be opened is a usage error."""
     try:
-        return open_storage(url, options)
+        return Catalog(open_storage(url, options))
     except (CheckpointError, ValueError, TypeError, ImportError) as e:
         raise UsageError(f"cannot open {url}: {e}") from None
 
 
-def read_manifest(storage: Storage, step: int) -> fmt.Manifest:
-    path = f"{fmt.step_dirname(step)}/{fmt.MANIFEST}"
-    where = f"{storage.url.rstrip('/')}/{path}"
-    size = storage.size(path)
-    if size > MAX_MANIFEST_BYTES:
-        raise CorruptCheckpointError(f"{where}: manifest of {size} bytes is too large", path=where)
-    return fmt.parse_manifest(storage.read_range(path, 0, size), path=where, step=step)
-
-
-def scan(storage: Storage, url: str, *, steps: Sequence[int] | None = None) -> Root:
+def scan(catalog: Catalog, url: str, *, steps: Sequence[int] | None = None) -> Root:
     """The step directories of a root; manifests are read for ``steps`` (all when None)."""
     try:
-        names = storage.list_dir("")
+        listed = catalog.listed_steps()
     except CheckpointError as e:
         raise UsageError(f"cannot list {url}: {e}") from None
     committed: list[Entry] = []
     partials: list[int] = []
-    for name in names:
-        step = fmt.parse_step_dirname(name)
-        if step is None:
-            continue
-        if not storage.exists(f"{name}/{fmt.MANIFEST}"):
+    for step in listed:
+        if not catalog.is_committed(step):
             partials.append(step)
             continue
         entry = Entry(step)
         if steps is None or step in steps:
             try:
-                entry.manifest = read_manifest(storage, step)
+                entry.manifest = catalog.read_manifest(step)
             except CheckpointError as e:  # corrupt, or gone since it was listed
                 entry.error = str(e)
         committed.append(entry)
-    return Root(storage, url, sorted(committed, key=lambda e: e.step), sorted(partials))
+    return Root(catalog, url, committed, partials)
 
 
 def require_checkpoints(root: Root) -> None:
@@ -318,60 +304,6 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def verify_shard(
-    storage: Storage,
-    step_dir: str,
-    shard: fmt.ShardRecord,
-    records: dict[str, fmt.TensorRecord],
-    progress: Progress,
-    label: str,
-) -> list[str]:
-    """Problems with one shard: missing, wrong size, failed whole-file or tensor crc32c."""
-    path = f"{step_dir}/{shard.file}"
-    try:
-        size = storage.size(path)
-    except CheckpointError:
-        return [f"{path}: missing"]
-    if size != shard.nbytes:
-        progress.advance(shard.nbytes, label)
-        return [f"{path}: {size} bytes, the manifest says {shard.nbytes}"]
-    order = sorted(records.items(), key=lambda item: (item[1].start, item[1].end))
-    crcs = dict.fromkeys(records, 0)
-    active: list[tuple[str, fmt.TensorRecord]] = []
-    nxt = 0
-    whole = 0
-    buf = bytearray(min(CHUNK, max(shard.nbytes, 1)))
-    for lo in range(0, shard.nbytes, CHUNK):
-        hi = min(lo + CHUNK, shard.nbytes)
-        view = memoryview(buf)[: hi - lo]
-        try:
-            storage.readinto(path, lo, view)
-        except CheckpointError as e:
-            progress.advance(shard.nbytes - lo, label)
-            return [f"{path}: unreadable: {e}"]
-        whole = crc32c.crc32c(view, whole)
-        # Tensors are streamed too: each chunk updates the crc of every tensor it overlaps.
-        while nxt < len(order) and order[nxt][1].start < hi:
-            active.append(order[nxt])
-            nxt += 1
-        still = []
-        for name, r in active:
-            a, b = max(r.start, lo), min(r.end, hi)
-            if a < b:
-                crcs[name] = crc32c.crc32c(view[a - lo : b - lo], crcs[name])
-            if r.end > hi:
-                still.append((name, r))
-        active = still
-        progress.advance(hi - lo, label)
-    problems = []
-    if whole != shard.crc32c:
-        problems.append(f"{path}: whole-file crc32c mismatch")
-    for name, r in order:
-        if crcs[name] != r.crc32c:
-            problems.append(f"{path}: tensor {name!r} crc32c mismatch")
-    return problems
-
-
 def cmd_verify(args: argparse.Namespace) -> int:
     steps = None if args.step is None else [args.step]
     root = scan(open_root(args.root, args.storage_options), args.root, steps=steps)
@@ -386,14 +318,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 problems = [f"{e.dirname}/{fmt.MANIFEST}: {e.error}"]
             else:
                 problems = []
+                advance = functools.partial(progress.advance, label=f"step {e.step}")
                 for shard in e.manifest.shards:
-                    problems += verify_shard(
-                        root.storage,
-                        e.dirname,
-                        shard,
-                        e.manifest.tensors[shard.file],
-                        progress,
-                        f"step {e.step}",
+                    problems += root.catalog.verify_shard(
+                        e.step, shard, e.manifest.tensors[shard.file], advance
                     )
             progress.close()
             if problems:
@@ -451,13 +379,11 @@ def cmd_prune(args: argparse.Namespace) -> int:
                 f"{human_bytes(m.nbytes)})\n"
             )
             if args.yes:
-                # Uncommit first: a deletion cut short leaves a partial, never a broken step.
-                root.storage.delete(f"{e.dirname}/{fmt.MANIFEST}")
-                root.storage.delete(e.dirname, recursive=True)
+                root.catalog.delete_step(e.step)  # manifest first: never a broken step
     for step in partials:
         out.write(f"{verb} partial step directory {fmt.step_dirname(step)}\n")
         if args.yes:
-            root.storage.delete(fmt.step_dirname(step), recursive=True)
+            root.catalog.remove(step)
     if spared:
         print(
             f"left partial step directories at or above the newest commit (a save may still be "

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from aiockpt import AsyncCheckpointManager
 from aiockpt._core import format as fmt
-from aiockpt._core.protocol import Hello
+from aiockpt._core.protocol import Hello, LoadReq, RecordsReq, StepsReq
 from aiockpt._daemon.server import Daemon, PipeEnd
 from aiockpt.errors import CheckpointError, CheckpointNotFoundError, StorageError
 from aiockpt.retention import (
@@ -550,12 +550,12 @@ def daemon_in_process(
 ) -> Iterator[Daemon]:
     """The daemon's code run in this process over ``storage``, for a test to drive it."""
     parent, child = Pipe()
-    daemon = Daemon(PipeEnd(child), Hello(url=root, storage_options={}, retention=policy))
-    daemon.storage = storage
+    hello = Hello(url=root, storage_options={}, retention=policy)
+    daemon = Daemon(PipeEnd(child), hello, storage=storage)
     try:
         yield daemon
     finally:
-        daemon.pool.shutdown()
+        daemon.close()
         parent.close()
         child.close()
 
@@ -583,17 +583,17 @@ async def test_an_interrupted_deletion_is_never_listed_or_loaded(root):
     # The daemon's retention pass, in this process, over a storage that fails mid-deletion.
     storage = DeletionInterrupted(root)
     with daemon_in_process(root, LatestN(1), storage) as daemon:
-        daemon.scan_index()
-        deleted, error = daemon.apply_retention("uuid", 2)
+        daemon.pruner.scan_index()
+        deleted, error = daemon.pruner.apply("uuid", 2)
         assert isinstance(error, CheckpointError)
         assert "retention failed to delete" in str(error)
         assert storage.calls[0] == (f"{fmt.step_dirname(1)}/{fmt.MANIFEST}", False)  # first
         assert deleted == [1]
         assert os.listdir(os.path.join(root, fmt.step_dirname(1))) == [fmt.shard_filename(0)]
-        assert daemon.op_steps() == [2]
-        assert [r.step for r in daemon.op_records()] == [2]
+        assert daemon.handle(StepsReq(0)) == (2,)
+        assert [r.step for r in daemon.handle(RecordsReq(0))] == [2]
         with pytest.raises(CheckpointNotFoundError, match="step 1 is not a committed"):
-            daemon.op_load(step=1, rank=0)
+            daemon.handle(LoadReq(0, step=1, rank=0, world_size=1))
 
     async with AsyncCheckpointManager(root) as mgr:
         # Start-up collected the half-deleted step (it lies below the newest commit).
@@ -628,11 +628,11 @@ async def test_start_up_reads_no_manifest_and_retention_reads_each_once(root):
         daemon.start()
         assert storage.read == []
         for _ in range(2):
-            deleted, error = daemon.apply_retention("uuid", 3)
+            deleted, error = daemon.pruner.apply("uuid", 3)
             assert error is None
         assert deleted == []
         assert sorted(storage.read) == [f"{fmt.step_dirname(s)}/{fmt.MANIFEST}" for s in (1, 2, 3)]
-        assert daemon.op_steps() == [2, 3]
+        assert daemon.handle(StepsReq(0)) == (2, 3)
 
 
 @pytest.mark.anyio

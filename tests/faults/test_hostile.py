@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from aiockpt import AsyncCheckpointManager
 from aiockpt._core import format as fmt
-from aiockpt._core.protocol import Hello
+from aiockpt._core.protocol import Hello, LoadReq
 from aiockpt._daemon.server import Daemon, PipeEnd
 from aiockpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedValueError
 
@@ -162,22 +162,21 @@ class Audit:
 
 
 def audited_load(root: str) -> tuple[Audit, BaseException | None]:
-    """The daemon's own load (Daemon.op_load), run in this process under the audit hook."""
+    """The daemon's own load (its reader's), run in this process under the audit hook."""
     parent, child = Pipe()
     daemon = Daemon(PipeEnd(child), Hello(url=root, storage_options={}, retention=None))
     error: BaseException | None = None
     try:
         with Audit() as audit:
             try:
-                reply = daemon.op_load(step=1, rank=0)
+                reply = daemon.handle(LoadReq(0, step=1, rank=0, world_size=1))
             except Exception as e:
                 error = e
             else:
                 # The reply names a shared-memory segment the trainer would map and unlink.
                 os.unlink(os.path.join("/dev/shm", reply.segment.lstrip("/")))
     finally:
-        daemon.pool.shutdown()
-        daemon.storage.close()
+        daemon.close()
         parent.close()
         child.close()
     return audit, error

@@ -1,0 +1,208 @@
+"""What a checkpoint root holds, read and changed through its :class:`~aiockpt.storage.Storage`.
+
+One catalog serves the daemon (listing steps, loading, retention, collecting partial saves)
+and the ``aiockpt`` command (ls, show, verify, prune), so both see a root the same way: the
+same step directories, the same bounded and validated manifest reads, the same order of
+deletion (manifest first) and the same checksums.
+
+A step directory is *committed* when it holds a manifest and *partial* when it does not (a
+save that is still writing, or one a crash cut short). What is read from storage is
+untrusted: manifests are size-checked before they are read and validated as they are parsed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable
+
+import crc32c
+
+from ..errors import CheckpointError, CorruptCheckpointError
+from ..retention import CheckpointRecord, collectable_partials
+from ..storage import Storage
+from . import format as fmt
+
+__all__ = ["MAX_MANIFEST_BYTES", "VERIFY_CHUNK", "Catalog", "ShardCrcs"]
+
+#: A manifest larger than this is refused before it is read.
+MAX_MANIFEST_BYTES = 1 << 30
+#: Verification reads a shard in pieces of this size: bounded memory, whatever its size.
+VERIFY_CHUNK = 16 << 20
+
+
+def manifest_path(step: int) -> str:
+    """The path of a step's manifest, relative to the root."""
+    return f"{fmt.step_dirname(step)}/{fmt.MANIFEST}"
+
+
+class Catalog:
+    """The committed and partial steps of one root, and the few ways to read and change them."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+
+    def where(self, path: str = "") -> str:
+        """The URL of ``path`` under the root (of the root itself when empty)."""
+        base = self.storage.url.rstrip("/")
+        return f"{base}/{path}" if path else base
+
+    # ----------------------------------------------------------------- listing
+
+    def listed_steps(self) -> list[int]:
+        """Every step with a directory in the root, committed or not, from one listing.
+
+        A stale listing can only hide steps (storage never lists what was never written)."""
+        steps = (fmt.parse_step_dirname(name) for name in self.storage.list_dir(""))
+        return sorted(step for step in steps if step is not None)
+
+    def is_committed(self, step: int) -> bool:
+        """Whether the step's manifest exists."""
+        return self.storage.exists(manifest_path(step))
+
+    def step_dirs(self) -> dict[int, bool]:
+        """Each step directory's step, ascending, mapped to whether it holds a manifest."""
+        return {step: self.is_committed(step) for step in self.listed_steps()}
+
+    def committed_steps(self) -> list[int]:
+        """Steps whose manifest exists, fresh from storage, ascending."""
+        return [step for step, committed in self.step_dirs().items() if committed]
+
+    # ----------------------------------------------------------------- manifests
+
+    def manifest_bytes(self, step: int) -> tuple[bytes, str]:
+        """A step's manifest, refused unread when it is too large, and the URL it came from."""
+        path = manifest_path(step)
+        where = self.where(path)
+        size = self.storage.size(path)
+        if size > MAX_MANIFEST_BYTES:
+            raise CorruptCheckpointError(
+                f"{where}: manifest of {size} bytes is too large", path=where
+            )
+        return self.storage.read_range(path, 0, size), where
+
+    def read_manifest(self, step: int) -> fmt.Manifest:
+        """A step's manifest, validated in full."""
+        data, where = self.manifest_bytes(step)
+        return fmt.parse_manifest(data, path=where, step=step)
+
+    def read_record(self, step: int) -> CheckpointRecord:
+        """The step's commit time and metrics, without checking the rest of its manifest."""
+        data, where = self.manifest_bytes(step)
+        created_at, metrics = fmt.parse_manifest_record(data, path=where, step=step)
+        return CheckpointRecord(step, created_at, dict(metrics))
+
+    def records(self, steps: Iterable[int] | None = None) -> list[CheckpointRecord]:
+        """The record of each of ``steps`` (every committed step when None) whose manifest
+        reads; a corrupt one is left out, for the full check of a load or verify to report."""
+        out = []
+        for step in self.committed_steps() if steps is None else steps:
+            try:
+                out.append(self.read_record(step))
+            except CorruptCheckpointError:
+                continue
+        return out
+
+    # ----------------------------------------------------------------- deleting
+
+    def remove(self, step: int) -> None:
+        """Remove a step's directory and everything in it (missing is not an error)."""
+        self.storage.delete(fmt.step_dirname(step), recursive=True)
+
+    def delete_step(self, step: int, *, uncommitted: Callable[[int], None] | None = None) -> None:
+        """Delete a committed step, its manifest first: a deletion cut short leaves a partial
+        step directory, never a committed step with missing shards. ``uncommitted`` is called
+        once the step is no longer committed, before its files go."""
+        self.storage.delete(manifest_path(step))
+        if uncommitted is not None:
+            uncommitted(step)
+        self.remove(step)
+
+    def collect_partials(
+        self, busy: Callable[[], Collection[int]] = frozenset, *, everything: bool = False
+    ) -> list[int]:
+        """Remove the partial step directories that no save can still be writing (see
+        :func:`~aiockpt.retention.collectable_partials`); the steps removed, ascending.
+
+        ``busy`` gives the steps being saved. It is asked after the listing, so a save that
+        starts in between is seen as busy rather than its directory as dead."""
+        step_dirs = self.step_dirs()
+        removed = []
+        for step in collectable_partials(step_dirs, busy(), everything=everything):
+            self.remove(step)
+            removed.append(step)
+        return removed
+
+    # ----------------------------------------------------------------- verifying
+
+    def verify_shard(
+        self,
+        step: int,
+        shard: fmt.ShardRecord,
+        records: dict[str, fmt.TensorRecord],
+        progress: Callable[[int], None] = lambda nbytes: None,
+        *,
+        chunk: int = VERIFY_CHUNK,
+    ) -> list[str]:
+        """Problems with one shard of a step: missing, wrong size, unreadable, or a failed
+        whole-file or tensor crc32c. It is read in pieces of ``chunk`` bytes, and
+        ``progress`` is told how many bytes each piece covered (all ``shard.nbytes`` in the
+        end, whatever is found)."""
+        path = f"{fmt.step_dirname(step)}/{shard.file}"
+        try:
+            size = self.storage.size(path)
+        except CheckpointError:
+            return [f"{path}: missing"]
+        if size != shard.nbytes:
+            progress(shard.nbytes)
+            return [f"{path}: {size} bytes, the manifest says {shard.nbytes}"]
+        crcs = ShardCrcs(records)
+        buf = bytearray(min(chunk, max(shard.nbytes, 1)))
+        for lo in range(0, shard.nbytes, chunk):
+            hi = min(lo + chunk, shard.nbytes)
+            view = memoryview(buf)[: hi - lo]
+            try:
+                self.storage.readinto(path, lo, view)
+            except CheckpointError as e:
+                progress(shard.nbytes - lo)
+                return [f"{path}: unreadable: {e}"]
+            crcs.update(lo, view)
+            progress(hi - lo)
+        return [f"{path}: {problem}" for problem in crcs.mismatches(shard.crc32c)]
+
+
+class ShardCrcs:
+    """The crc32c of a whole shard and of each of its tensors, computed as the shard streams
+    by in consecutive pieces: each piece updates every tensor it overlaps."""
+
+    def __init__(self, records: dict[str, fmt.TensorRecord]) -> None:
+        self.order = sorted(records.items(), key=lambda item: (item[1].start, item[1].end))
+        self.crcs = dict.fromkeys(records, 0)
+        self.whole = 0
+        self._active: list[tuple[str, fmt.TensorRecord]] = []  # started, not yet ended
+        self._next = 0  # the first tensor of ``order`` not yet started
+
+    def update(self, lo: int, piece: memoryview) -> None:
+        """Take in the bytes ``[lo, lo + len(piece))`` of the shard, the next after the last."""
+        hi = lo + len(piece)
+        self.whole = crc32c.crc32c(piece, self.whole)
+        while self._next < len(self.order) and self.order[self._next][1].start < hi:
+            self._active.append(self.order[self._next])
+            self._next += 1
+        still = []
+        for name, r in self._active:
+            a, b = max(r.start, lo), min(r.end, hi)
+            if a < b:
+                self.crcs[name] = crc32c.crc32c(piece[a - lo : b - lo], self.crcs[name])
+            if r.end > hi:
+                still.append((name, r))
+        self._active = still
+
+    def mismatches(self, shard_crc: int) -> list[str]:
+        """What failed its check, once the whole shard went by: the file first, then each
+        tensor in file order."""
+        problems = []
+        if self.whole != shard_crc:
+            problems.append("whole-file crc32c mismatch")
+        for name, r in self.order:
+            if self.crcs[name] != r.crc32c:
+                problems.append(f"tensor {name!r} crc32c mismatch")
+        return problems

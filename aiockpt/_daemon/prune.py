@@ -1,0 +1,110 @@
+"""The retention pass: after each commit, delete what the policy lets go.
+
+The pass keeps an index of the committed steps' records (commit time and metrics), filled
+from storage by the first pass and then kept up to date by the commits and deletions of this
+daemon, so a pass after the first reads no manifest. In a multi-rank save only rank 0 runs it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from .._core.catalog import Catalog
+from ..errors import CheckpointError, CorruptCheckpointError
+from ..retention import CheckpointRecord, RetentionPolicy, select_deletions
+from .pipe import Outbox, remote_error
+from .shared import InFlight
+
+
+class Pruner:
+    """Applies one retention policy to a root, through its catalog. ``policy`` None keeps
+    everything (and so does a rank other than 0, which is given None)."""
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        policy: RetentionPolicy | None,
+        in_flight: InFlight,
+        outbox: Outbox,
+    ) -> None:
+        self.catalog = catalog
+        self.policy = policy
+        self.in_flight = in_flight
+        self.outbox = outbox
+        #: Records of the committed steps; filled by the first pass.
+        self.index: dict[int, CheckpointRecord] = {}
+        self.indexed = False
+        self._lock = threading.Lock()  # guards index
+
+    def committed(self, record: CheckpointRecord) -> None:
+        """This daemon committed ``record.step``."""
+        with self._lock:
+            self.index[record.step] = record
+
+    def scan_index(self) -> None:
+        """What retention sees of earlier runs: every committed checkpoint whose record reads.
+        Done by the first pass, not at start-up: a run may hold hundreds of checkpoints, and
+        a manager must open without reading each one."""
+        for step in self.catalog.committed_steps():
+            if step in self.index:
+                continue
+            try:
+                record = self.catalog.read_record(step)
+            except CorruptCheckpointError:
+                continue
+            with self._lock:
+                self.index.setdefault(step, record)
+        self.indexed = True
+
+    def apply(self, uuid: str, step: int) -> tuple[list[int], BaseException | None]:
+        """Delete what the policy lets go, manifest first: the steps deleted, and the error
+        (ready for the pipe) that stopped the pass, if one did. Runs only after the commit of
+        ``step``, which it never deletes (nor the newest step, nor one in flight)."""
+        if self.policy is None:
+            return [], None
+        try:
+            if not self.indexed:
+                self.scan_index()
+            # Steps deleted behind our back (``aiockpt prune``) must not count for the policy.
+            # A stale listing can only hide steps, and a hidden step is never deleted.
+            present = set(self.catalog.listed_steps())
+        except Exception as e:
+            err = CheckpointError(
+                f"step {step} was committed, but retention could not list "
+                f"{self.catalog.storage.url}: {e}; nothing was deleted"
+            )
+            return [], remote_error(err)
+        with self._lock:
+            for gone in [s for s in self.index if s not in present and s != step]:
+                del self.index[gone]
+            records = list(self.index.values())
+        protected = {step, *self.in_flight.snapshot()}
+        try:
+            doomed = select_deletions(self.policy, records, protected)
+        except Exception as e:
+            err = CheckpointError(
+                f"step {step} was committed, but the retention policy {self.policy!r} failed: "
+                f"{type(e).__name__}: {e}; nothing was deleted"
+            )
+            return [], remote_error(err)
+        return self._delete(uuid, step, doomed)
+
+    def _delete(
+        self, uuid: str, step: int, doomed: list[int]
+    ) -> tuple[list[int], BaseException | None]:
+        deleted: list[int] = []
+
+        def uncommitted(old: int) -> None:
+            # No longer a checkpoint, whatever becomes of its files: reported as deleted.
+            with self._lock:
+                self.index.pop(old, None)
+            deleted.append(old)
+
+        try:
+            for old in doomed:
+                self.catalog.delete_step(old, uncommitted=uncommitted)
+                self.outbox.event("retention.delete", uuid, old, where="daemon")
+        except Exception as e:  # whatever it is, the commit stands and the caller must hear it
+            err = CheckpointError(f"step {step} was committed, but retention failed to delete: {e}")
+            return deleted, remote_error(err)
+        return deleted, None

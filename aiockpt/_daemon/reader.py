@@ -1,0 +1,187 @@
+"""The reader's loads: one rank's tensors of a step, read and verified into shared memory.
+
+A load reads the shard in chunks and checksums each chunk's finished tensors in another
+thread while the next chunk is read (crc32c releases the GIL), so the check overlaps the I/O.
+The trainer gets a :class:`LoadReply` saying where each verified tensor lies.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import crc32c
+
+from .._core import format as fmt
+from .._core.catalog import Catalog
+from .._core.gc import no_gc
+from .._core.protocol import LoadReply, SlabRef
+from .._core.shm import Segment, unlink
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from .shared import Slabs
+
+#: Loads read this much at a time, checksumming what was read while the next chunk comes.
+LOAD_CHUNK = 64 * 1024 * 1024
+
+#: A shard's tensors: (name, record) pairs.
+Tensors = list[tuple[str, fmt.TensorRecord]]
+
+
+def check_replicated(m: fmt.Manifest, world_size: int) -> None:
+    """On another world size only state that every rank saved identically can be loaded."""
+    first = m.tensors[m.shard_of(0).file]
+    differ = sorted(
+        name
+        for name, r in first.items()
+        if any(
+            (o := others.get(name)) is None
+            or (o.crc32c, o.dtype, o.shape) != (r.crc32c, r.dtype, r.shape)
+            for others in m.tensors.values()
+        )
+    )
+    if differ:
+        shown = ", ".join(differ[:8]) + (", …" if len(differ) > 8 else "")
+        raise CheckpointError(
+            f"step {m.step} was saved by {m.world_size} ranks and cannot be loaded by "
+            f"{world_size}: these tensors differ between ranks (only state every rank saved "
+            f"identically, such as DDP-replicated weights, can be): {shown}"
+        )
+
+
+def check_crcs(seg: Segment, items: Tensors, lo: int, where: str) -> None:
+    """Raise for the first of ``items`` whose bytes in ``seg`` (the shard from ``lo``) fail
+    their crc32c."""
+    for name, r in items:
+        with seg.buf[r.start - lo : r.end - lo] as view:
+            if crc32c.crc32c(view) != r.crc32c:
+                raise CorruptCheckpointError(
+                    f"{where}: tensor {name!r} failed its crc32c check", path=where, key=name
+                )
+
+
+def _ranges(steps: list[int]) -> str:
+    shown = ", ".join(map(str, steps[-10:]))
+    return shown if len(steps) <= 10 else f"…, {shown}"
+
+
+class Reader:
+    """Serves loads from a root: into a slab the trainer lends, or into new segments that the
+    trainer takes over (their names are kept, to be unlinked when the daemon exits)."""
+
+    def __init__(self, catalog: Catalog, slabs: Slabs, pool: ThreadPoolExecutor) -> None:
+        self.catalog = catalog
+        self.storage = catalog.storage
+        self.slabs = slabs
+        self.pool = pool
+        self.load_segments: set[str] = set()
+
+    @no_gc
+    def load(
+        self,
+        step: int | None,
+        rank: int,
+        world_size: int = 1,
+        slab: SlabRef | None = None,
+    ) -> LoadReply:
+        """Read and verify a rank's tensors of ``step`` (the latest when None) into shared
+        memory: into the trainer's ``slab`` when given and large enough, else into a new
+        segment the trainer takes over."""
+        step = self._committed(step)
+        m = self.catalog.read_manifest(step)
+        if m.world_size != world_size:
+            rank = 0  # every rank reads rank 0's part, if it is the same on every rank
+            check_replicated(m, world_size)
+        path, records = self._shard_of(m, step, rank)
+        where = self.catalog.where(path)
+        fmt.check_tree(m.trees[rank], set(records), path=where)
+        lo = min((r.start for r in records.values()), default=0)
+        hi = max((r.end for r in records.values()), default=0)
+        pooled = slab is not None and slab.size >= hi - lo
+        if slab is not None and pooled:
+            seg = self.slabs.get(slab.name, slab.size)
+        else:
+            seg = Segment.create(hi - lo, kind="load", populate=False)
+            self.load_segments.add(seg.name)
+        try:
+            self._read_verified(seg, path, records, lo, hi, where)
+        except BaseException:
+            if not pooled:
+                seg.close()
+                seg.unlink()
+                self.load_segments.discard(seg.name)
+            raise
+        if not pooled:
+            seg.close()  # the trainer maps it and takes it over
+        return LoadReply(
+            step=step,
+            segment=None if pooled else seg.name,
+            size=hi - lo,
+            tensors={name: (r.dtype, r.shape, r.start - lo) for name, r in records.items()},
+            tree=m.trees[rank],
+            metrics=m.metrics,
+            metadata=m.metadata,
+            created_at=m.created_at,
+            nbytes=m.nbytes,
+            url=self.catalog.where(fmt.step_dirname(step)),
+        )
+
+    def _committed(self, step: int | None) -> int:
+        """``step``, or the latest when None, once it is known to be committed."""
+        steps = self.catalog.committed_steps()
+        if not steps:
+            raise CheckpointNotFoundError(f"no committed checkpoint in {self.storage.url}")
+        if step is None:
+            return steps[-1]
+        if step not in steps:
+            raise CheckpointNotFoundError(
+                f"step {step} is not a committed checkpoint in {self.storage.url} (committed: "
+                f"{_ranges(steps)})"
+            )
+        return step
+
+    def _shard_of(
+        self, m: fmt.Manifest, step: int, rank: int
+    ) -> tuple[str, dict[str, fmt.TensorRecord]]:
+        """The path of ``rank``'s shard of ``step`` and its tensors, once the shard is there at
+        the size the manifest says (a claimed size is never trusted before it is checked)."""
+        shard = m.shard_of(rank)
+        path = f"{fmt.step_dirname(step)}/{shard.file}"
+        where = self.catalog.where(path)
+        if not self.storage.exists(path):
+            raise CorruptCheckpointError(f"{where}: the shard is missing", path=where)
+        actual = self.storage.size(path)
+        if actual != shard.nbytes:
+            raise CorruptCheckpointError(
+                f"{where}: {actual} bytes on storage, the manifest says {shard.nbytes}", path=where
+            )
+        return path, m.tensors[shard.file]
+
+    def _read_verified(
+        self,
+        seg: Segment,
+        path: str,
+        records: dict[str, fmt.TensorRecord],
+        lo: int,
+        hi: int,
+        where: str,
+    ) -> None:
+        """Fill ``seg`` with bytes [lo, hi) of the shard and check every tensor's crc32c."""
+        by_end = sorted(records.items(), key=lambda item: item[1].end)
+        checks: list[Future[None]] = []
+        done = 0
+        for off in range(0, hi - lo, LOAD_CHUNK):
+            end = min(off + LOAD_CHUNK, hi - lo)
+            self.storage.readinto(path, lo + off, seg.buf[off:end])
+            first = done
+            while done < len(by_end) and by_end[done][1].end - lo <= end:
+                done += 1
+            checks.append(self.pool.submit(check_crcs, seg, by_end[first:done], lo, where))
+        if done < len(by_end):  # empty tensors past the last byte read
+            checks.append(self.pool.submit(check_crcs, seg, by_end[done:], lo, where))
+        for check in checks:
+            check.result()
+
+    def close(self) -> None:
+        """Unlink the segments of every load served: the trainer maps each one it takes over
+        (a mapping outlives the name), and none may outlive the daemon."""
+        for name in self.load_segments:
+            unlink(name)

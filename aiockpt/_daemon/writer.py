@@ -1,0 +1,177 @@
+"""The writer: one :class:`SaveReq` at a time, the shard written, then the step committed.
+
+The bytes come from the trainer's slab in shared memory and go to storage as they are; their
+checksums are computed in another thread while they are written, so the commit only splices
+text. On one rank the commit is the manifest; on several, the ranks agree through storage
+(see :mod:`.coord`). After the commit comes the retention pass, then one :class:`SaveDone`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import crc32c
+
+from .._core import format as fmt
+from .._core.catalog import Catalog, manifest_path
+from .._core.protocol import CheckpointInfo, Hello, LayoutMsg, SaveDone, SaveReq, SlabFree
+from .._core.shm import Segment
+from ..errors import DistributedSaveError, StepExistsError
+from ..retention import CheckpointRecord
+from .coord import Coordinator, Part, merge
+from .pipe import Outbox, remote_error
+from .prune import Pruner
+from .shared import Slabs
+
+
+class Layout:
+    """A shard layout the daemon knows, with what it caches for it."""
+
+    def __init__(self, msg: LayoutMsg) -> None:
+        self.msg = msg
+        self.specs = [fmt.TensorSpec(*s) for s in msg.specs]
+        self._json_parts: list[str] | None = None
+
+    def json_parts(self) -> list[str]:
+        """The manifest text of the tensor entries, around the crcs each save fills in."""
+        if self._json_parts is None:
+            self._json_parts = fmt.tensors_json_parts(self.specs, self.msg.data_start)
+        return self._json_parts
+
+
+def checksums(data: memoryview, layout: Layout) -> tuple[str, int]:
+    """The manifest's tensor entries with their crcs, and the shard's crc: computed while the
+    shard is written, so the commit only splices text."""
+    base = layout.msg.data_start
+    tensor_crcs = [crc32c.crc32c(data[base + s.start : base + s.end]) for s in layout.specs]
+    shard_crc = crc32c.crc32c(data)
+    return fmt.tensors_json(layout.specs, base, tensor_crcs, layout.json_parts()), shard_crc
+
+
+class Writer:
+    """Writes and commits this rank's shard of each save, in the order they come."""
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        cfg: Hello,
+        *,
+        slabs: Slabs,
+        pool: ThreadPoolExecutor,
+        coord: Coordinator | None,
+        pruner: Pruner,
+        outbox: Outbox,
+    ) -> None:
+        self.catalog = catalog
+        self.storage = catalog.storage
+        self.rank = cfg.rank
+        self.shard = fmt.shard_filename(cfg.rank)
+        self.slabs = slabs
+        self.pool = pool
+        self.coord = coord
+        self.pruner = pruner
+        self.outbox = outbox
+        #: Layouts by id (see SaveReq.layout), and encoded state-tree fragments by id (see
+        #: SaveReq.fragments): sent once, named by later saves until they are forgotten.
+        self.layouts: dict[int, Layout] = {}
+        self.fragments: dict[int, str] = {}
+
+    def save(self, req: SaveReq) -> None:
+        """Write, commit and prune; the trainer hears :class:`SlabFree` as soon as the slab's
+        bytes are durable, then one :class:`SaveDone`, whatever happens."""
+        t0 = time.monotonic()
+        slab_free = False
+        created_dir = False  # a directory this rank alone made, removed if the save fails
+        step_dir = fmt.step_dirname(req.step)
+        try:
+            tree, layout = self._take(req)
+            seg = self.slabs.get(req.slab, req.slab_size)
+            if self.catalog.is_committed(req.step):
+                raise StepExistsError(f"step {req.step} is already committed in {self.storage.url}")
+            self.storage.makedirs(step_dir)
+            created_dir = True
+            tensors, shard_crc = self._write_shard(step_dir, seg, layout)
+            self.outbox.send(SlabFree(req.slab))
+            slab_free = True
+            written = time.monotonic()
+            nbytes = layout.msg.file_size
+            self._event("save.written", req, written - t0, nbytes)
+            shard = {"file": self.shard, "rank": self.rank, "nbytes": nbytes, "crc32c": shard_crc}
+            if self.coord is not None:
+                created_dir = False  # other ranks write here too: never removed by one of them
+            created_at = self._commit(req, Part(self.rank, shard, tensors, tree))
+            created_dir = False  # committed: never cleaned up as a partial
+            self.pruner.committed(CheckpointRecord(req.step, created_at, dict(req.metrics)))
+            self._event("save.committed", req, time.monotonic() - written, nbytes)
+            info = CheckpointInfo(
+                step=req.step,
+                url=self.catalog.where(step_dir),
+                created_at=created_at,
+                nbytes=nbytes,
+                metrics=req.metrics,
+            )
+            deleted, error = self.pruner.apply(req.uuid, req.step)
+            if self.coord is not None and self.rank == 0:
+                self.coord.finished(req.step, req.uuid)  # the others' handles resolve now
+            self.outbox.send(SaveDone(req.uuid, info=info, deleted=tuple(deleted), error=error))
+        except BaseException as e:
+            self._failed(req, e, slab_free=slab_free, created_dir=created_dir)
+
+    def _take(self, req: SaveReq) -> tuple[str, Layout]:
+        """Update the caches as ``req`` says; its encoded tree and its layout."""
+        if req.layout is not None:
+            self.layouts[req.layout.id] = Layout(req.layout)
+        for i, node in req.fragments.items():
+            self.fragments[i] = fmt.encode_tree(node, {})
+        tree = fmt.encode_tree(req.tree, self.fragments)
+        layout = self.layouts[req.layout_id]
+        for i in req.forget_fragments:
+            self.fragments.pop(i, None)
+        for i in req.forget_layouts:
+            self.layouts.pop(i, None)
+        self.slabs.forget(req.forget)
+        return tree, layout
+
+    def _write_shard(self, step_dir: str, seg: Segment, layout: Layout) -> tuple[str, int]:
+        """Write the slab's bytes as the shard, checksumming them meanwhile."""
+        with seg.buf[: layout.msg.file_size] as data:
+            crcs = self.pool.submit(checksums, data, layout)
+            try:
+                self.storage.write_file(f"{step_dir}/{self.shard}", [data])
+            finally:
+                tensors, shard_crc = crcs.result()  # never leave the view to a running thread
+        return tensors, shard_crc
+
+    def _commit(self, req: SaveReq, part: Part) -> float:
+        """Publish the manifest (with the other ranks' parts, on several); its commit time."""
+        if self.coord is not None:
+            return self.coord.commit(
+                step=req.step, uuid=req.uuid, part=part, metrics=req.metrics, metadata=req.metadata
+            )
+        created_at = time.time()
+        manifest = merge(
+            [part], step=req.step, created_at=created_at, metrics=req.metrics, metadata=req.metadata
+        )
+        self.storage.put_atomic(manifest_path(req.step), manifest)
+        return created_at
+
+    def _failed(
+        self, req: SaveReq, exc: BaseException, *, slab_free: bool, created_dir: bool
+    ) -> None:
+        """End a failed save: the slab back, the other ranks told, our partial removed."""
+        if not slab_free:
+            self.outbox.send(SlabFree(req.slab))
+        if self.coord is not None and not isinstance(exc, DistributedSaveError):
+            with contextlib.suppress(Exception):
+                self.coord.publish_failure(req.step, req.uuid, f"{type(exc).__name__}: {exc}")
+        if created_dir:
+            with contextlib.suppress(Exception):
+                self.catalog.remove(req.step)
+        self.outbox.send(SaveDone(req.uuid, error=remote_error(exc)))
+
+    def _event(self, name: str, req: SaveReq, duration_s: float, nbytes: int) -> None:
+        self.outbox.event(
+            name, req.uuid, req.step, duration_s=duration_s, nbytes=nbytes, where="daemon"
+        )
