@@ -58,6 +58,7 @@ class Entry:
 
     @property
     def dirname(self) -> str:
+        """The step directory's name."""
         return fmt.step_dirname(self.step)
 
 
@@ -71,6 +72,7 @@ class Root:
     partials: list[int]
 
     def where(self, path: str = "") -> str:
+        """The URL of ``path`` under the root as the user named it (the root when empty)."""
         base = self.url.rstrip("/")
         return f"{base}/{path}" if path else base
 
@@ -106,12 +108,14 @@ def scan(catalog: Catalog, url: str, *, steps: Sequence[int] | None = None) -> R
 
 
 def require_checkpoints(root: Root) -> None:
+    """A usage error unless the root holds a committed checkpoint."""
     if not root.committed:
         extra = f" ({plural(len(root.partials), 'partial step dir')})" if root.partials else ""
         raise UsageError(f"no checkpoints in {root.url}{extra}")
 
 
 def require_step(root: Root, step: int) -> Entry:
+    """The entry of ``step``; a usage error, naming what is committed, when it is not."""
     for entry in root.committed:
         if entry.step == step:
             return entry
@@ -128,6 +132,7 @@ def require_step(root: Root, step: int) -> Entry:
 
 
 def human_bytes(n: int) -> str:
+    """``n`` bytes in binary units: ``512 B``, ``1.5 MiB``."""
     if n < 1024:
         return f"{n} B"
     value = float(n)
@@ -139,20 +144,24 @@ def human_bytes(n: int) -> str:
 
 
 def plural(n: int, word: str) -> str:
+    """``n word``, with an s when ``n`` is not 1."""
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def format_time(t: float) -> str:
+    """Seconds since the epoch as local date and time."""
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
 
 
 def format_value(v: Any) -> str:
+    """A metric or value for a table: floats short, strings bare, the rest as JSON."""
     if isinstance(v, float):
         return f"{v:.6g}"
     return json.dumps(v, ensure_ascii=False) if not isinstance(v, str) else v
 
 
 def format_metrics(metrics: dict[str, Any]) -> str:
+    """``key=value`` pairs, sorted by key."""
     return " ".join(f"{k}={format_value(v)}" for k, v in sorted(metrics.items()))
 
 
@@ -204,6 +213,7 @@ class Progress:
         self.width = 0
 
     def advance(self, n: int, label: str) -> None:
+        """Count ``n`` more bytes done and redraw, at most ten times a second."""
         self.done += n
         now = time.monotonic()
         if not self.enabled or (now - self.last < 0.1 and self.done < self.total):
@@ -220,6 +230,7 @@ class Progress:
         self.width = len(line)
 
     def close(self) -> None:
+        """Erase the bar, leaving the line for what comes next."""
         if self.enabled and self.width:
             self.stream.write("\r" + " " * self.width + "\r")
             self.stream.flush()
@@ -229,6 +240,7 @@ class Progress:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    """``aiockpt ls``: the committed checkpoints, as a table or JSON lines."""
     root = scan(open_root(args.root, args.storage_options), args.root)
     require_checkpoints(root)
     out: TextIO = sys.stdout
@@ -269,6 +281,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    """``aiockpt show``: one checkpoint's tensors and values."""
     root = scan(open_root(args.root, args.storage_options), args.root, steps=[args.step])
     require_checkpoints(root)
     entry = require_step(root, args.step)
@@ -305,6 +318,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    """``aiockpt verify``: re-read every shard and check every checksum; 1 when any fails."""
     steps = None if args.step is None else [args.step]
     root = scan(open_root(args.root, args.storage_options), args.root, steps=steps)
     require_checkpoints(root)
@@ -342,7 +356,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_prune(args: argparse.Namespace) -> int:
+def keep_policy(args: argparse.Namespace) -> RetentionPolicy | None:
+    """The policy of prune's ``--keep`` options: any of them keeps; None without any."""
     parts: list[RetentionPolicy] = []
     if args.keep_last is not None:
         parts.append(LatestN(args.keep_last))
@@ -351,8 +366,13 @@ def cmd_prune(args: argparse.Namespace) -> int:
     if args.keep_every_seconds is not None:
         parts.append(EveryNSeconds(args.keep_every_seconds))
     parts.extend(args.keep_best)
-    policy = AnyOf(*parts) if parts else None
+    return AnyOf(*parts) if parts else None
 
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    """``aiockpt prune``: what the policy would delete, and partial saves; deleted with --yes
+    (a checkpoint's manifest first, so a deletion cut short never leaves a broken step)."""
+    policy = keep_policy(args)
     root = scan(open_root(args.root, args.storage_options), args.root)
     if not root.committed and not (args.all_partials and root.partials):
         require_checkpoints(root)
@@ -379,7 +399,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
                 f"{human_bytes(m.nbytes)})\n"
             )
             if args.yes:
-                root.catalog.delete_step(e.step)  # manifest first: never a broken step
+                root.catalog.delete_step(e.step)
     for step in partials:
         out.write(f"{verb} partial step directory {fmt.step_dirname(step)}\n")
         if args.yes:
@@ -406,10 +426,12 @@ class Parser(argparse.ArgumentParser):
     """argparse with its errors raised as one-line :class:`UsageError` (no usage dump)."""
 
     def error(self, message: str) -> NoReturn:
+        """Raise the error as a :class:`UsageError`."""
         raise UsageError(f"{message} (see {self.prog} --help)")
 
 
 def positive_int(text: str) -> int:
+    """An argument that is an integer of at least 1."""
     try:
         value = int(text)
     except ValueError:
@@ -420,6 +442,7 @@ def positive_int(text: str) -> int:
 
 
 def step_arg(text: str) -> int:
+    """A step argument: a non-negative integer."""
     try:
         value = int(text)
     except ValueError:
@@ -432,6 +455,7 @@ def step_arg(text: str) -> int:
 
 
 def positive_seconds(text: str) -> float:
+    """An argument that is a positive, finite number of seconds."""
     try:
         value = float(text)
     except ValueError:
@@ -453,6 +477,7 @@ def best_spec(text: str) -> BestN:
 
 
 def storage_option(text: str) -> tuple[str, Any]:
+    """A ``KEY=VALUE`` storage option, VALUE parsed as JSON when it can be."""
     key, sep, raw = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, not {text!r}")
@@ -532,6 +557,7 @@ def build_parser() -> tuple[Parser, dict[str, Parser]]:
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
+    """The parsed command line."""
     parser, commands = build_parser()
     if argv and argv[0] in commands:
         # Intermixed, so options may come anywhere: `verify ROOT -o k=v STEP` finds STEP.

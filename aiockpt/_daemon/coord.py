@@ -36,6 +36,7 @@ class Part:
     tree_json: str
 
     def encode(self) -> bytes:
+        """The part file's bytes: a JSON head, then the two JSON texts as they are."""
         head = json.dumps(
             {"rank": self.rank, "shard": self.shard, "tensors": len(self.tensors_json)}
         )
@@ -43,6 +44,7 @@ class Part:
 
     @classmethod
     def decode(cls, data: bytes) -> Part:
+        """The part that :meth:`encode` wrote as ``data``."""
         head_text, rest = data.decode().split("\n", 1)
         head = json.loads(head_text)
         n = head["tensors"]
@@ -50,18 +52,22 @@ class Part:
 
 
 def part_name(uuid: str, rank: int) -> str:
+    """The name of ``rank``'s part file of the save ``uuid``."""
     return f".{uuid}.r{rank:05d}.part"
 
 
 def failed_name(uuid: str, rank: int) -> str:
+    """The name of ``rank``'s notice that its part of the save ``uuid`` failed."""
     return f".{uuid}.r{rank:05d}.failed"
 
 
 def abort_name(uuid: str) -> str:
+    """The name of rank 0's marker that the save ``uuid`` is abandoned."""
     return f".{uuid}.abort"
 
 
 def done_name(uuid: str) -> str:
+    """The name of rank 0's marker that the save ``uuid`` and its retention pass are over."""
     return f".{uuid}.done"
 
 
@@ -200,6 +206,7 @@ class Coordinator:
         return time.time()
 
     def abort(self, step: int, uuid: str, ranks: list[int], message: str) -> None:
+        """Rank 0: abandon the save, naming the ranks at fault; every waiting rank fails."""
         body = json.dumps({"ranks": ranks, "message": message}).encode()
         self.storage.put_atomic(f"{fmt.step_dirname(step)}/{abort_name(uuid)}", body)
 
