@@ -1,7 +1,7 @@
 """The daemon: a persistent subprocess that writes, commits, applies retention and reads.
 
-Started as a fresh interpreter running ``main([PKG_PARENT, FD])`` with one end of the pipe
-inherited as FD (see _manager._DAEMON_BOOT; ``python -m aiockpt._daemon FD`` works too), so the
+Started by the trainer side as a fresh interpreter running ``main([PKG_PARENT, FD])`` with one
+end of the pipe inherited as FD (``python -m aiockpt._daemon PKG_PARENT FD`` works too), so the
 user's ``__main__`` is never re-imported. It imports neither torch nor the manager: tensors are
 bytes in shared memory here.
 
