@@ -10,14 +10,18 @@ from __future__ import annotations
 import json
 import math
 import re
-import reprlib
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CorruptCheckpointError
+from .dtypes import DTYPE_SIZES as DTYPE_SIZES
 from .gc import no_gc
+from .tree import MAX_TREE_DEPTH as MAX_TREE_DEPTH
+from .tree import NON_FINITE
+from .tree import bounded_repr as _short
+from .tree import check_tree as check_tree
 
 FORMAT = "aiockpt"
 VERSION = 1
@@ -27,33 +31,9 @@ ALIGN = 4096
 #: A header larger than this is refused before it is read (20k tensors need about 2 MiB).
 MAX_HEADER_BYTES = 256 * 1024 * 1024
 MAX_NDIM = 64
-#: Deepest nesting of a state tree. Saving and loading recurse (and pickle the tree across the
-#: pipe), so a deeper tree would end in RecursionError; 128 levels round-trip with room to spare.
-MAX_TREE_DEPTH = 128
-#: Deepest nesting of JSON in a manifest's metadata, for the same reason.
+#: Deepest nesting of JSON in a manifest's metadata: it is pickled to the trainer on load, so
+#: it is bounded like a state tree (see tree.MAX_TREE_DEPTH).
 MAX_METADATA_DEPTH = 64
-
-#: safetensors dtype name -> item size in bytes. The fixed list a checkpoint may use.
-DTYPE_SIZES: dict[str, int] = {
-    "F64": 8,
-    "I64": 8,
-    "U64": 8,
-    "C64": 8,
-    "F32": 4,
-    "I32": 4,
-    "U32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I16": 2,
-    "U16": 2,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "F8_E4M3FNUZ": 1,
-    "F8_E5M2FNUZ": 1,
-}
 
 # re.ASCII: without it \d also matches other scripts' digits, and int() accepts them, so a
 # name like "step_" + twelve Arabic-Indic digits would pass as a step directory.
@@ -62,6 +42,7 @@ _SHARD_FILE = re.compile(r"shard_r(\d{5})\.safetensors", re.ASCII)
 
 
 def step_dirname(step: int) -> str:
+    """The name of step ``step``'s directory: zero-padded, so names sort as steps do."""
     return f"step_{step:012d}"
 
 
@@ -72,10 +53,12 @@ def parse_step_dirname(name: str) -> int | None:
 
 
 def shard_filename(rank: int) -> str:
+    """The file name of rank ``rank``'s shard."""
     return f"shard_r{rank:05d}.safetensors"
 
 
 def align_up(n: int, align: int = ALIGN) -> int:
+    """``n`` rounded up to a multiple of ``align``."""
     return (n + align - 1) // align * align
 
 
@@ -94,6 +77,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
+        """The tensor's size in bytes."""
         return self.end - self.start
 
 
@@ -212,6 +196,8 @@ def _bad_tensor(path: str, name: Any, why: str) -> CorruptCheckpointError:
 
 @dataclass(frozen=True, slots=True)
 class ShardRecord:
+    """A shard in the manifest: its file, the rank that wrote it, its size and its crc32c."""
+
     file: str
     rank: int
     nbytes: int
@@ -246,9 +232,11 @@ class Manifest:
 
     @property
     def nbytes(self) -> int:
+        """The size of the checkpoint: all its shards' bytes."""
         return sum(s.nbytes for s in self.shards)
 
     def shard_of(self, rank: int) -> ShardRecord:
+        """The shard rank ``rank`` wrote; KeyError when there is none."""
         for s in self.shards:
             if s.rank == rank:
                 return s
@@ -312,7 +300,10 @@ def _manifest_head(
     if type(m_step) is not int or m_step < 0 or (step is not None and m_step != step):
         raise bad(f"manifest step {_short(m_step)} does not match its directory")
     created = raw.get("created_at")
-    if type(created) not in (int, float) or not math.isfinite(created):
+    # JSON decodes numbers to exact ints and floats; bool is the subclass to keep out.
+    if isinstance(created, bool) or not isinstance(created, (int, float)):
+        raise bad("bad created_at")
+    if not math.isfinite(created):
         raise bad("bad created_at")
     metrics = raw.get("metrics", {})
     if not isinstance(metrics, dict):
@@ -351,8 +342,7 @@ def parse_manifest(data: bytes, *, path: str, step: int | None = None) -> Manife
         if not isinstance(s, dict):
             raise bad("malformed shard entry")
         f, r, nb, crc = s.get("file"), s.get("rank"), s.get("nbytes"), s.get("crc32c")
-        m = _SHARD_FILE.fullmatch(f) if isinstance(f, str) else None
-        if m is None:
+        if not isinstance(f, str) or (m := _SHARD_FILE.fullmatch(f)) is None:
             raise bad(f"shard file name {_short(f)} is not a plain shard name")
         if type(r) is not int or r != int(m.group(1)) or not 0 <= r < world:
             raise bad(f"shard {f}: bad rank {_short(r)}")
@@ -447,20 +437,10 @@ def encode_tree(tree: Any, fragments: dict[int, str]) -> str:
     return text
 
 
-def _short(value: Any) -> str:
-    """A bounded repr of an untrusted value for an error message (never the whole of it)."""
-    return _REPR.repr(value)
-
-
-_REPR = reprlib.Repr()
-_REPR.maxstring = _REPR.maxother = 80
-_REPR.maxlong = 40
-
-
 def _is_metric(v: Any) -> bool:
     """What ``save(metrics=...)`` writes: a float-convertible number, or a non-finite marker."""
     if isinstance(v, str):
-        return v in ("nan", "inf", "-inf")
+        return v in NON_FINITE
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return False
     try:
@@ -483,51 +463,3 @@ def _json_depth(value: Any) -> int:
                 break
             stack.extend((child, depth + 1) for child in node)
     return deepest
-
-
-@no_gc
-def check_tree(tree: Any, tensor_names: set[str], *, path: str) -> None:
-    """Validate an untrusted tree from a manifest; every tensor reference must exist."""
-
-    def bad(why: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{path}: malformed tree: {why}", path=path)
-
-    stack = [(tree, 0)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > MAX_TREE_DEPTH:
-            # Loading recurses over the tree and pickles it to the trainer: bound it here.
-            raise bad(f"nested deeper than {MAX_TREE_DEPTH} levels")
-        if not isinstance(node, dict) or len(node) != 1:
-            raise bad(f"node {_short(node)}")
-        ((tag, body),) = node.items()
-        if tag == "T":
-            # isinstance first: a list or dict body is unhashable and `in` would raise TypeError.
-            if not isinstance(body, str) or body not in tensor_names:
-                raise bad(f"reference to unknown tensor {_short(body)}")
-        elif tag == "D":
-            if not isinstance(body, list):
-                raise bad("dict body is not a list")
-            for item in body:
-                if (
-                    not isinstance(item, list)
-                    or len(item) != 2
-                    or isinstance(item[0], bool)
-                    or not isinstance(item[0], (str, int))
-                ):
-                    raise bad("dict item")
-                stack.append((item[1], depth + 1))
-        elif tag in ("L", "U"):
-            if not isinstance(body, list):
-                raise bad("list body is not a list")
-            stack.extend((child, depth + 1) for child in body)
-        elif tag == "S":
-            stack.append((body, depth + 1))
-        elif tag == "V":
-            if body is not None and not isinstance(body, (bool, int, float, str)):
-                raise bad("value is not a JSON scalar")
-        elif tag == "F":
-            if body not in ("nan", "inf", "-inf"):
-                raise bad("bad float")
-        else:
-            raise bad(f"unknown tag {_short(tag)}")

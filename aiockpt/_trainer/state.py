@@ -1,21 +1,8 @@
-"""Flatten a state tree into tensors plus a JSON tree, and rebuild or restore it on load.
+"""Flatten a state into tensors plus a JSON tree, and rebuild or restore it on load.
 
-The tree keeps the state's exact nesting in JSON, one tagged node per value:
-
-    {"T": name}              a tensor, stored in the shard under ``name``
-    {"D": [[key, node], …]}  a dict; keys are str or int (optimizers key their state by int)
-    {"L": [node, …]}         a list
-    {"U": [node, …]}         a tuple
-    {"S": node}              an object with state_dict()/load_state_dict(); node is its state dict
-    {"V": value}             int, str, bool, None or a finite float
-    {"F": "nan"|"inf"|"-inf"} a non-finite float (JSON has no literal for it)
-
-and, only on the pipe to the daemon, a reference string (``_format.fragment_ref``) in place of
-a mapping of tensors sent before (see Flattener); the daemon splices the mapping back in, so a
-stored tree never holds one.
-
-Tensor names are the key path joined by "/", so a checkpoint opened with safetensors reads as
-``model/layer.weight``. Nothing is pickled: any other value is refused with its key path.
+The tree format is described in ``_core.tree``: one tagged node per value, a tensor's name
+being its key path joined by "/". Nothing is pickled: any value that is not a tensor, a JSON
+value, or an object with state_dict()/load_state_dict() is refused with its key path.
 """
 
 from __future__ import annotations
@@ -28,35 +15,27 @@ from typing import Any
 
 import torch
 
-from .._core.format import MAX_TREE_DEPTH, fragment_ref
+from .._core.format import fragment_ref
 from .._core.gc import gc_paused, no_gc
+from .._core.tree import (
+    DICT,
+    FLOAT,
+    LIST,
+    MAX_TREE_DEPTH,
+    STATEFUL,
+    TENSOR,
+    TUPLE,
+    VALUE,
+    decode_float,
+    encode_float,
+)
 from ..errors import LoadMismatchError, UnsupportedValueError
-
-#: torch dtype <-> safetensors dtype name.
-TORCH_TO_ST: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
-    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
-    torch.complex64: "C64",
-    torch.uint16: "U16",
-    torch.uint32: "U32",
-    torch.uint64: "U64",
-}
-ST_TO_TORCH: dict[str, torch.dtype] = {v: k for k, v in TORCH_TO_ST.items()}
+from .dtypes import ST_TO_TORCH as ST_TO_TORCH
+from .dtypes import TORCH_TO_ST as TORCH_TO_ST
 
 
 def is_stateful(obj: Any) -> bool:
+    """Whether ``obj`` is saved through its state_dict() and restored by load_state_dict()."""
     return (
         not isinstance(obj, torch.Tensor)
         and callable(getattr(obj, "state_dict", None))
@@ -133,7 +112,7 @@ class Flattener:
         """Flatten ``state``; with ``remember`` False the cache is consulted but left as it
         was (a load looking up the layout of the state it restores into)."""
         met: dict[str, Fragment] = {}
-        flat = _flatten(state, self._fragments if trust else {}, met)
+        flat = _Walk(self._fragments if trust else {}, met).flatten(state)
         if remember:
             gone = [f.id for path, f in self._fragments.items() if met.get(path) is not f]
             self._retired.extend(gone)
@@ -148,132 +127,165 @@ class Flattener:
 
 def flatten(state: Any) -> Flat:
     """Walk ``state``; refuse what cannot be saved, naming its key path."""
-    return _flatten(state, None, None)
+    return _Walk(None, None).flatten(state)
 
 
-def _flatten(
-    state: Any, known: dict[str, Fragment] | None, met: dict[str, Fragment] | None
-) -> Flat:
-    """The walk. With ``met``, large tensor mappings become fragments, reused from ``known``
-    when their keys match and recorded in ``met``."""
-    if not isinstance(state, Mapping) and not is_stateful(state):
-        raise UnsupportedValueError("", f"the state must be a mapping, not {type(state).__name__}")
-    names: list[str] = []
-    tensors: list[torch.Tensor] = []
-    key: list[Any] = []
-    fragments: dict[int, Any] = {}
-    seen: set[str] = set()
-    active: set[int] = set()
-    cuda = False
-    trusted = True
+class _Walk:
+    """One flatten: the walk of a state, and the tensors, names and layout key it collects.
 
-    def walk(value: Any, path: str, depth: int = 0) -> Any:
+    With ``met``, a large tensor mapping becomes a fragment, reused from ``known`` when its
+    keys match and recorded in ``met`` (see Flattener).
+    """
+
+    __slots__ = (
+        "active",
+        "cuda",
+        "fragments",
+        "key",
+        "known",
+        "met",
+        "names",
+        "seen",
+        "tensors",
+        "trusted",
+    )
+
+    def __init__(self, known: dict[str, Fragment] | None, met: dict[str, Fragment] | None):
+        self.known = known
+        self.met = met
+        self.names: list[str] = []
+        self.tensors: list[torch.Tensor] = []
+        #: What decides the layout (see Flat.key).
+        self.key: list[Any] = []
+        self.fragments: dict[int, Any] = {}
+        #: The tensor names so far, to refuse two keys that flatten to the same one.
+        self.seen: set[str] = set()
+        #: ids of the containers being walked, to refuse a reference cycle.
+        self.active: set[int] = set()
+        self.cuda = False
+        self.trusted = True
+
+    def flatten(self, state: Any) -> Flat:
+        """The Flat of ``state``, a mapping or a stateful object."""
+        if not isinstance(state, Mapping) and not is_stateful(state):
+            raise UnsupportedValueError(
+                "", f"the state must be a mapping, not {type(state).__name__}"
+            )
+        # A state tree is thousands of fresh lists and dicts: the cyclic GC would walk them
+        # again and again (measured: it doubled flatten's time at 20k tensors). Nothing here
+        # is cyclic.
+        with gc_paused():
+            tree = self.walk(state, "", 0)
+        return Flat(
+            self.names,
+            self.tensors,
+            tree,
+            tuple(self.key),
+            self.fragments,
+            self.cuda,
+            self.trusted,
+        )
+
+    def walk(self, value: Any, path: str, depth: int) -> Any:
+        """The tree node of ``value``, found at key path ``path``."""
         if isinstance(value, torch.Tensor):
-            return {"T": add_tensor(value, path)}
+            return {TENSOR: self.add_tensor(value, path)}
         if value is None or isinstance(value, (bool, int, str)):
             if isinstance(value, str) and "\x00" in value:
                 raise UnsupportedValueError(path, "strings with NUL characters are not stored")
-            return {"V": value}
+            return {VALUE: value}
         if isinstance(value, float):
-            if math.isfinite(value):
-                return {"V": value}
-            return {"F": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
-        if id(value) in active:
+            return {VALUE: value} if math.isfinite(value) else {FLOAT: encode_float(value)}
+        if id(value) in self.active:
             raise UnsupportedValueError(path, "the state contains a reference cycle")
         if depth >= MAX_TREE_DEPTH:
             raise UnsupportedValueError(
                 path, f"the state nests deeper than {MAX_TREE_DEPTH} levels"
             )
-        active.add(id(value))
+        self.active.add(id(value))
         try:
             if isinstance(value, Mapping):
-                if met is not None and len(value) >= FRAGMENT_MIN:
-                    ref = fragment(value, path)
+                if self.met is not None and len(value) >= FRAGMENT_MIN:
+                    ref = self.fragment(value, path)
                     if ref is not None:
                         return ref
-                return mapping(value, path, depth)
-            if isinstance(value, list):
-                return {"L": [walk(v, _path(path, i), depth + 1) for i, v in enumerate(value)]}
-            if isinstance(value, tuple):
-                return {"U": [walk(v, _path(path, i), depth + 1) for i, v in enumerate(value)]}
+                return self.mapping(value, path, depth)
+            if isinstance(value, (list, tuple)):
+                tag = LIST if isinstance(value, list) else TUPLE
+                return {tag: [self.walk(v, _path(path, i), depth + 1) for i, v in enumerate(value)]}
             if is_stateful(value):
                 sd = value.state_dict()
                 if not isinstance(sd, Mapping):
                     raise UnsupportedValueError(path, "state_dict() did not return a mapping")
-                return {"S": walk(sd, path, depth + 1)}
+                return {STATEFUL: self.walk(sd, path, depth + 1)}
         finally:
-            active.discard(id(value))
+            self.active.discard(id(value))
         raise UnsupportedValueError(
             path,
             f"values of type {type(value).__module__}.{type(value).__qualname__} cannot be saved "
             "(tensors, JSON values, and objects with state_dict()/load_state_dict() can)",
         )
 
-    def mapping(value: Mapping, path: str, depth: int) -> dict[str, Any]:
+    def mapping(self, value: Mapping, path: str, depth: int) -> dict[str, Any]:
+        """The DICT node of ``value``."""
         # The hot loop of a big state dict: tensor values and str keys go straight through,
         # without a recursive call or the full key check.
         items = []
         prefix = f"{path}/" if path else ""
+        add_tensor, walk = self.add_tensor, self.walk
         for k, v in value.items():
             if type(k) is not str or "\x00" in k:
-                check_key(k, path)
+                _check_key(k, path)
             child = f"{prefix}{k}"
             if isinstance(v, torch.Tensor):
-                items.append([k, {"T": add_tensor(v, child)}])
+                items.append([k, {TENSOR: add_tensor(v, child)}])
             else:
                 items.append([k, walk(v, child, depth + 1)])
-        return {"D": items}
+        return {DICT: items}
 
-    def fragment(value: Mapping, path: str) -> str | None:
+    def fragment(self, value: Mapping, path: str) -> str | None:
         """The mapping as a fragment reference, or None when it is not all tensors."""
-        nonlocal cuda, trusted
         keys = tuple(value)
         values = list(value.values())
         if not set(map(type, values)) <= _PLAIN_TENSORS or set(map(type, keys)) != {str}:
             return None
-        assert known is not None
-        assert met is not None
-        frag = known.get(path)
+        assert self.known is not None
+        assert self.met is not None
+        frag = self.known.get(path)
         if frag is not None and frag.keys == keys:
-            n = len(seen)
-            seen.update(frag.names)
-            if len(seen) != n + len(frag.names):
-                prior = set(names)
-                name = next(x for x in frag.names if x in prior)
-                raise UnsupportedValueError(
-                    name, "two keys flatten to this tensor name (e.g. int 0 and str '0')"
-                )
-            names.extend(frag.names)
-            tensors.extend(values)
-            trusted = False
-            cuda = cuda or frag.cuda
+            self.reuse(frag, values)
         else:
-            first, was_cuda = len(names), cuda
-            cuda = False
-            node = mapping(value, path, 0)
-            frag = Fragment(next(_fragment_ids), keys, tuple(names[first:]), node, cuda)
-            cuda = cuda or was_cuda
-            del key[len(key) - len(frag.names) :]  # the fragment's id stands for its tensors
-        met[path] = frag
-        key.append(frag.id)
-        fragments[frag.id] = frag.node
+            first, was_cuda = len(self.names), self.cuda
+            self.cuda = False
+            node = self.mapping(value, path, 0)
+            frag = Fragment(next(_fragment_ids), keys, tuple(self.names[first:]), node, self.cuda)
+            self.cuda = self.cuda or was_cuda
+            del self.key[len(self.key) - len(frag.names) :]  # the fragment's id stands for them
+        self.met[path] = frag
+        self.key.append(frag.id)
+        self.fragments[frag.id] = frag.node
         return fragment_ref(frag.id)
 
-    def check_key(key: Any, path: str) -> Any:
-        if isinstance(key, bool) or not isinstance(key, (str, int)):
+    def reuse(self, frag: Fragment, values: list[torch.Tensor]) -> None:
+        """Take a known fragment's names for ``values`` on trust (see Flattener)."""
+        seen = self.seen
+        n = len(seen)
+        seen.update(frag.names)
+        if len(seen) != n + len(frag.names):
+            prior = set(self.names)
+            name = next(x for x in frag.names if x in prior)
             raise UnsupportedValueError(
-                _path(path, repr(key)), f"dict keys must be str or int, not {type(key).__name__}"
+                name, "two keys flatten to this tensor name (e.g. int 0 and str '0')"
             )
-        if isinstance(key, str) and "\x00" in key:
-            raise UnsupportedValueError(
-                _path(path, repr(key)), "keys with NUL characters are refused"
-            )
-        return key
+        self.names.extend(frag.names)
+        self.tensors.extend(values)
+        self.trusted = False
+        self.cuda = self.cuda or frag.cuda
 
-    def add_tensor(t: torch.Tensor, path: str) -> str:
+    def add_tensor(self, t: torch.Tensor, path: str) -> str:
+        """Record tensor ``t`` under its name ``path``; return the name."""
         # The hot loop at 20k tensors: few attribute reads, no detach (copy_ runs under
         # no_grad), and (name, dtype, shape) kept for the layout cache's key.
-        nonlocal cuda
         dtype = t.dtype
         if (
             dtype not in TORCH_TO_ST
@@ -282,23 +294,28 @@ def _flatten(
             or not (t.is_cpu or t.is_cuda)
         ):
             raise UnsupportedValueError(path, _tensor_problem(t))
+        seen = self.seen
         if path in seen:
             raise UnsupportedValueError(
                 path, "two keys flatten to this tensor name (e.g. int 0 and str '0')"
             )
         if not t.is_cpu:
-            cuda = True
+            self.cuda = True
         seen.add(path)
-        names.append(path)
-        tensors.append(t)
-        key.append((path, dtype, t.shape))
+        self.names.append(path)
+        self.tensors.append(t)
+        self.key.append((path, dtype, t.shape))
         return path
 
-    # A state tree is thousands of fresh lists and dicts: the cyclic GC would walk them again
-    # and again (measured: it doubled flatten's time at 20k tensors). Nothing here is cyclic.
-    with gc_paused():
-        tree = walk(state, "")
-    return Flat(names, tensors, tree, tuple(key), fragments, cuda, trusted)
+
+def _check_key(key: Any, path: str) -> None:
+    """Refuse a dict key the tree cannot hold: not str or int, or holding a NUL."""
+    if isinstance(key, bool) or not isinstance(key, (str, int)):
+        raise UnsupportedValueError(
+            _path(path, repr(key)), f"dict keys must be str or int, not {type(key).__name__}"
+        )
+    if isinstance(key, str) and "\x00" in key:
+        raise UnsupportedValueError(_path(path, repr(key)), "keys with NUL characters are refused")
 
 
 def _tensor_problem(t: torch.Tensor) -> str:
@@ -314,19 +331,21 @@ def _tensor_problem(t: torch.Tensor) -> str:
 
 def unflatten(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     """Rebuild the saved nesting; objects saved through state_dict() come back as their dicts."""
+    # Recursive, unlike _core.tree.walk: a rebuild needs its children's values, and the tree
+    # was checked (its depth bounded) before it got here.
     tag, body = next(iter(tree.items()))
-    if tag == "T":
+    if tag == TENSOR:
         return tensors[body]
-    if tag == "D":
+    if tag == DICT:
         return {k: unflatten(v, tensors) for k, v in body}
-    if tag == "L":
+    if tag == LIST:
         return [unflatten(v, tensors) for v in body]
-    if tag == "U":
+    if tag == TUPLE:
         return tuple(unflatten(v, tensors) for v in body)
-    if tag == "S":
+    if tag == STATEFUL:
         return unflatten(body, tensors)
-    if tag == "F":
-        return float(body)
+    if tag == FLOAT:
+        return decode_float(body)
     return body
 
 
@@ -364,7 +383,7 @@ def _restore(
     fresh = tensors if owned else _Cloning(tensors)
     tag, body = next(iter(tree.items()))
     if isinstance(target, torch.Tensor):
-        if tag != "T":
+        if tag != TENSOR:
             raise LoadMismatchError(f"{path or '<root>'}: the checkpoint holds no tensor here")
         src = tensors[body]
         if src.shape != target.shape or src.dtype != target.dtype:
@@ -376,19 +395,19 @@ def _restore(
         copies[1].append(src)
         return target
     if is_stateful(target):
-        inner = body if tag == "S" else tree
+        inner = body if tag == STATEFUL else tree
         target.load_state_dict(unflatten(inner, fresh))
         return target
-    if tag == "S":
+    if tag == STATEFUL:
         tag, body = next(iter(body.items()))
-    if isinstance(target, dict) and tag == "D":
+    if isinstance(target, dict) and tag == DICT:
         for k, node in body:
             if k in target:
                 target[k] = _restore(target[k], node, tensors, _path(path, k), owned, copies)
             else:
                 target[k] = unflatten(node, fresh)
         return target
-    if isinstance(target, list) and tag in ("L", "U") and len(target) == len(body):
+    if isinstance(target, list) and tag in (LIST, TUPLE) and len(target) == len(body):
         for i, node in enumerate(body):
             target[i] = _restore(target[i], node, tensors, _path(path, i), owned, copies)
         return target

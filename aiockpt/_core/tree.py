@@ -1,0 +1,177 @@
+"""The state tree: how a checkpoint records the nesting of a saved state, in JSON.
+
+The tree keeps the state's exact nesting, one tagged node (a one-member object) per value:
+
+    {"T": name}              TENSOR: a tensor, stored in the shard under ``name``
+    {"D": [[key, node], …]}  DICT: a dict; keys are str or int (optimizers key state by int)
+    {"L": [node, …]}         LIST: a list
+    {"U": [node, …]}         TUPLE: a tuple
+    {"S": node}              STATEFUL: an object with state_dict()/load_state_dict(); node is
+                             its state dict
+    {"V": value}             VALUE: int, str, bool, None or a finite float
+    {"F": "nan"|"inf"|"-inf"} FLOAT: a non-finite float (JSON has no literal for it)
+
+and, only on the pipe to the daemon, a reference string (``format.fragment_ref``) in place of
+a mapping of tensors sent before (see ``_trainer.state.Flattener``); the daemon splices the
+mapping back in, so a stored tree never holds one.
+
+Tensor names are the key path joined by "/", so a checkpoint opened with safetensors reads as
+``model/layer.weight``. Nothing is pickled: the trainer refuses any other value with its key
+path.
+
+The trainer builds and restores trees (``_trainer.state``); this module holds what the two
+processes share, without torch: the tags, the encoding of non-finite floats (metrics use it
+too), and one iterative walker, :func:`walk`, over which the daemon validates a tree read
+from storage (:func:`check_tree`) and the CLI lists a tree's values (:func:`plain_values`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import reprlib
+from collections.abc import Iterator
+from typing import Any, Final
+
+from ..errors import CorruptCheckpointError
+from .gc import no_gc
+
+#: The tags of the nodes, as the table above describes them.
+TENSOR: Final = "T"
+DICT: Final = "D"
+LIST: Final = "L"
+TUPLE: Final = "U"
+STATEFUL: Final = "S"
+VALUE: Final = "V"
+FLOAT: Final = "F"
+
+#: Deepest nesting of a state tree. Saving and loading recurse (and pickle the tree across the
+#: pipe), so a deeper tree would end in RecursionError; 128 levels round-trip with room to spare.
+MAX_TREE_DEPTH = 128
+
+#: The strings that stand for non-finite floats, in FLOAT nodes and in a manifest's metrics.
+#: A tuple, not a set: ``in`` on it compares, so an unhashable untrusted value cannot raise.
+NON_FINITE: Final = ("nan", "inf", "-inf")
+
+
+def encode_float(value: float) -> float | str:
+    """``value`` as JSON can hold it: itself when finite, else "nan", "inf" or "-inf"."""
+    if math.isfinite(value):
+        return value
+    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+
+
+def decode_float(text: str) -> float:
+    """The float a NON_FINITE string stands for."""
+    return float(text)
+
+
+class MalformedTree(ValueError):
+    """A tree that breaks the format; the message says how (bounded: no whole untrusted value)."""
+
+
+#: What an empty container shows as in :func:`plain_values`.
+_EMPTY = {DICT: "{}", LIST: "[]", TUPLE: "()"}
+
+
+def walk(tree: Any, *, paths: bool = True) -> Iterator[tuple[str, str, Any, int]]:
+    """Every node of ``tree``, parents first, in tree order: (key path, tag, body, depth).
+
+    Iterative, since an untrusted tree may nest deep enough to overflow a recursive walk. Each
+    node is checked before it is yielded, and :class:`MalformedTree` raised at the first that
+    is not a one-member object with a known tag, nests deeper than MAX_TREE_DEPTH, or has a
+    body its tag does not allow; what a TENSOR name refers to is the caller's to check. A
+    stateful object's node has the same path as its state dict. With ``paths`` False every
+    path is "" (validation needs none, and at 20k tensors building them costs).
+    """
+    stack: list[tuple[str, Any, int]] = [("", tree, 0)]
+    pop, push, extend = stack.pop, stack.append, stack.extend
+    while stack:
+        path, node, depth = pop()
+        if depth > MAX_TREE_DEPTH:
+            # Loading recurses over the tree and pickles it to the trainer: bound it here.
+            raise MalformedTree(f"nested deeper than {MAX_TREE_DEPTH} levels")
+        if not isinstance(node, dict) or len(node) != 1:
+            raise MalformedTree(f"node {bounded_repr(node)}")
+        ((tag, body),) = node.items()
+        if tag == TENSOR:
+            yield path, tag, body, depth
+            continue
+        # A container's children are pushed last first, so that they pop in tree order, and
+        # before it is yielded: only a checked node is.
+        below = depth + 1
+        prefix = f"{path}/" if path and paths else ""
+        if tag == DICT:
+            if not isinstance(body, list):
+                raise MalformedTree("dict body is not a list")
+            for item in reversed(body):
+                if (
+                    not isinstance(item, list)
+                    or len(item) != 2
+                    or isinstance(item[0], bool)
+                    or not isinstance(item[0], (str, int))
+                ):
+                    raise MalformedTree("dict item")
+                push((f"{prefix}{item[0]}" if paths else "", item[1], below))
+            yield path, tag, body, depth
+        elif tag in (LIST, TUPLE):
+            if not isinstance(body, list):
+                raise MalformedTree("list body is not a list")
+            if paths:
+                extend((f"{prefix}{i}", body[i], below) for i in range(len(body) - 1, -1, -1))
+            else:
+                extend(("", child, below) for child in reversed(body))
+            yield path, tag, body, depth
+        elif tag == STATEFUL:
+            push((path, body, below))
+            yield path, tag, body, depth
+        elif tag == VALUE:
+            if body is not None and not isinstance(body, (bool, int, float, str)):
+                raise MalformedTree("value is not a JSON scalar")
+            yield path, tag, body, depth
+        elif tag == FLOAT:
+            if body not in NON_FINITE:
+                raise MalformedTree("bad float")
+            yield path, tag, body, depth
+        else:
+            raise MalformedTree(f"unknown tag {bounded_repr(tag)}")
+
+
+@no_gc
+def check_tree(tree: Any, tensor_names: set[str], *, path: str) -> None:
+    """Validate an untrusted tree from a manifest; every tensor reference must exist.
+
+    Raises :class:`CorruptCheckpointError` naming ``path``.
+    """
+    try:
+        for _, tag, body, _ in walk(tree, paths=False):
+            # isinstance first: a list or dict body is unhashable and `in` would raise TypeError.
+            if tag == TENSOR and (not isinstance(body, str) or body not in tensor_names):
+                raise MalformedTree(f"reference to unknown tensor {bounded_repr(body)}")
+    except MalformedTree as e:
+        raise CorruptCheckpointError(f"{path}: malformed tree: {e}", path=path) from None
+
+
+def plain_values(tree: Any) -> Iterator[tuple[str, str]]:
+    """(key path, value) of every non-tensor leaf of a checked tree, in tree order.
+
+    A value shows as its JSON text, a non-finite float as its NON_FINITE string, an empty
+    container below the root as ``{}``, ``[]`` or ``()``; the root's path shows as ``<root>``.
+    """
+    for path, tag, body, _ in walk(tree):
+        if tag == VALUE:
+            yield path or "<root>", json.dumps(body, ensure_ascii=False)
+        elif tag == FLOAT:
+            yield path or "<root>", body
+        elif tag in _EMPTY and not body and path:
+            yield path, _EMPTY[tag]
+
+
+def bounded_repr(value: Any) -> str:
+    """A bounded repr of an untrusted value for an error message (never the whole of it)."""
+    return _REPR.repr(value)
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 80
+_REPR.maxlong = 40
