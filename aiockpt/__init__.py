@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "AsyncCheckpointManager": "._trainer.manager",
     "CheckpointInfo": "._core.protocol",
-    "SaveHandle": "._trainer.manager",
+    "SaveHandle": "._trainer.ledger",
     "AnyOf": ".retention",
     "BestN": ".retention",
     "EveryNSeconds": ".retention",
@@ -53,7 +53,8 @@ __all__ = [
 
 if TYPE_CHECKING:
     from ._core.protocol import CheckpointInfo
-    from ._trainer.manager import AsyncCheckpointManager, SaveHandle
+    from ._trainer.ledger import SaveHandle
+    from ._trainer.manager import AsyncCheckpointManager
     from .errors import (
         CheckpointError,
         CheckpointNotFoundError,

@@ -53,7 +53,7 @@ async def kill_daemon(rank: int, world: int, root: str) -> dict:
         t0 = time.monotonic()
         handle = await mgr.save(2, big)
         if rank == 1:
-            os.kill(mgr._daemon.proc.pid, signal.SIGKILL)
+            os.kill(mgr.daemon_pid, signal.SIGKILL)
         try:
             await handle
             out["second"] = "committed"

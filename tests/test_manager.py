@@ -341,7 +341,7 @@ async def test_daemon_killed_during_large_save(root):
     async with AsyncCheckpointManager(root) as mgr:
         await (await mgr.save(1, {"small": torch.arange(10)}))
         handle = await mgr.save(2, big)
-        os.kill(mgr._daemon.proc.pid, signal.SIGKILL)
+        os.kill(mgr.daemon_pid, signal.SIGKILL)
         with pytest.raises(DaemonDiedError) as exc:
             await handle
         assert exc.value.exit_code == -signal.SIGKILL

@@ -16,6 +16,7 @@ class Channel:
         self._send_lock = threading.Lock()
 
     def send(self, msg: object) -> None:
+        """Pickle ``msg`` into the pipe; safe from any thread."""
         with self._send_lock:
             self.conn.send(msg)
 
@@ -26,4 +27,5 @@ class Channel:
         return self.conn.recv()
 
     def close(self) -> None:
+        """Close this end: the other sees EOF once it has read what was sent."""
         self.conn.close()

@@ -22,6 +22,7 @@ class Group:
     world_size: int
 
     def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, by rank."""
         import torch.distributed as dist
 
         out: list[Any] = [None] * self.world_size
@@ -29,6 +30,7 @@ class Group:
         return out
 
     def barrier(self) -> None:
+        """Wait until every rank gets here."""
         import torch.distributed as dist
 
         dist.barrier(group=self.pg)

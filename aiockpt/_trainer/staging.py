@@ -15,6 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import anyio
 import torch
@@ -29,6 +30,8 @@ _layout_ids = itertools.count(1)
 
 @dataclass(frozen=True, slots=True)
 class Layout:
+    """Where each tensor of a state lies in its shard file, and the file's header."""
+
     id: int
     header: bytes
     #: (name, dtype, shape, start, end) in file order, offsets relative to the data section.
@@ -41,13 +44,16 @@ class Layout:
 
     @property
     def data_start(self) -> int:
+        """The data section's offset in the file: the header's length."""
         return len(self.header)
 
     @property
     def file_size(self) -> int:
+        """The shard file's size in bytes."""
         return self.data_start + (self.specs[-1].end if self.specs else 0)
 
     def message(self) -> LayoutMsg:
+        """The layout as the daemon is sent it."""
         return LayoutMsg(
             self.id,
             self.data_start,
@@ -65,6 +71,7 @@ class LayoutCache:
         self._evicted: list[int] = []
 
     def get(self, flat: Flat) -> Layout:
+        """The layout of ``flat``'s tensors, made on the first lookup of its key."""
         key = flat.key
         layout = self._cache.get(key)
         if layout is None:
@@ -127,10 +134,12 @@ class Slab:
 
     @property
     def name(self) -> str:
+        """The shared-memory segment's name."""
         return self.seg.name
 
     @property
     def size(self) -> int:
+        """The segment's size in bytes."""
         return self.seg.size
 
     def prepare(self, layout: Layout) -> list[torch.Tensor]:
@@ -190,6 +199,7 @@ class Slab:
             torch.cuda.current_stream(dev).synchronize()
 
     def close(self) -> None:
+        """Unpin, unmap and unlink the segment."""
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.u8.data_ptr())
             self.pinned = False
@@ -231,9 +241,22 @@ def _runs(layout: Layout, data: torch.Tensor) -> list[tuple[int, int, torch.Tens
     return runs
 
 
-#: A range of tensors in flatten order; the slab region to torch.cat it into when it is a run
-#: (see _runs); the shapes and dtypes the sources must have; and for a 1-D run, their sizes.
-Piece = tuple[int, int, "torch.Tensor | None", tuple, tuple, tuple]
+class Piece(NamedTuple):
+    """A range of the copy: tensors ``first`` to ``end`` (exclusive) in flatten order.
+
+    A plain tuple underneath, so the copy loop unpacks it as fast as one.
+    """
+
+    first: int
+    end: int
+    #: The slab region to torch.cat the range into when it is a run (see _runs), else None.
+    region: torch.Tensor | None
+    #: The shapes and dtypes the sources must have.
+    shapes: tuple[torch.Size, ...]
+    dtypes: tuple[torch.dtype, ...]
+    #: For a 1-D run, the sources' sizes (checked instead of their shapes); else empty.
+    sizes: tuple[int, ...]
+
 
 #: Tensors per piece: one thread checks a piece (holding the GIL) while the other copies.
 PIECE = 256
@@ -253,28 +276,27 @@ def _plan(layout: Layout, data: torch.Tensor) -> tuple[list[Piece], list[Piece]]
     if done < n:
         spans.append((done, n, None))
     pieces: list[Piece] = []
-    for a, b, region in spans:
+    for a, b, span_region in spans:
         for c in range(a, b, PIECE):
             d = min(b, c + PIECE)
             sub = None
             shapes = layout.shapes[c:d]
             sizes: tuple[int, ...] = ()
-            if region is not None:
+            if span_region is not None:
                 base = specs[order[a]].start
-                row_bytes = region.element_size() * math.prod(region.shape[1:])
+                row_bytes = span_region.element_size() * math.prod(span_region.shape[1:])
                 lo = (specs[order[c]].start - base) // row_bytes
                 hi = (specs[order[d - 1]].end - base) // row_bytes
-                sub = region[lo:hi]
-                if region.dim() == 1:
+                sub = span_region[lo:hi]
+                if span_region.dim() == 1:
                     sizes = tuple(s[0] for s in shapes)
-            pieces.append((c, d, sub, shapes, layout.dtypes[c:d], sizes))
+            pieces.append(Piece(c, d, sub, shapes, layout.dtypes[c:d], sizes))
     total = sum(s.nbytes for s in specs)
     if n < PIECE or total < (1 << 20):
         return pieces, []
     half, acc, h = total // 2, 0, 0
     while h < len(pieces) and acc < half:
-        a, b = pieces[h][:2]
-        acc += sum(specs[order[i]].nbytes for i in range(a, b))
+        acc += sum(specs[order[i]].nbytes for i in range(pieces[h].first, pieces[h].end))
         h += 1
     return pieces[:h], pieces[h:]
 
@@ -364,6 +386,8 @@ class SlabPool:
         self.forgotten: list[str] = []
 
     async def acquire(self, size: int, layout_id: int) -> Slab:
+        """A free slab of at least ``size`` bytes, preferring one last filled with this
+        layout; waits while ``max_pending`` are busy."""
         await self._sem.acquire()
         try:
             slab = self._pick(size, layout_id)
@@ -395,20 +419,24 @@ class SlabPool:
         slab.plan = ([], [])
 
     def release(self, name: str) -> None:
+        """Slab ``name`` may be filled again (unknown or already free: nothing happens)."""
         slab = self._busy.pop(name, None)
         if slab is not None:
             self._free.append(slab)
             self._sem.release()
 
     def take_forgotten(self) -> tuple[str, ...]:
+        """Names of the slabs destroyed since the last call: the daemon may unmap them."""
         names, self.forgotten = tuple(self.forgotten), []
         return names
 
     def release_all(self) -> None:
+        """Free every busy slab (their saves will never be answered)."""
         for name in list(self._busy):
             self.release(name)
 
     def close(self) -> None:
+        """Destroy every slab."""
         self.release_all()
         for slab in self._free:
             slab.close()
@@ -416,4 +444,5 @@ class SlabPool:
 
     @property
     def busy(self) -> int:
+        """How many slabs are lent out."""
         return len(self._busy)

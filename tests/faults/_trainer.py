@@ -31,7 +31,7 @@ async def staged(root: str) -> None:
     """Two large saves staged, then the test SIGKILLs us: the daemon must still commit both."""
     async with AsyncCheckpointManager(root) as mgr:
         await (await mgr.save(1, {"w": torch.arange(10)}))
-        say("DAEMON", mgr._daemon.proc.pid)
+        say("DAEMON", mgr.daemon_pid)
         await mgr.save(2, {"w": torch.full((BIG,), 2.0)})
         await mgr.save(3, {"w": torch.full((BIG,), 3.0)})
         say("STAGED")
@@ -49,7 +49,7 @@ async def staging(root: str) -> None:
 
     async with AsyncCheckpointManager(root) as mgr:
         await (await mgr.save(1, {"w": torch.arange(10)}))
-        say("DAEMON", mgr._daemon.proc.pid)
+        say("DAEMON", mgr.daemon_pid)
         Slab.copy_in = slow_copy_in  # type: ignore[method-assign]
         await mgr.save(2, {"w": torch.ones(1 << 20)})
         say("NOT KILLED")
@@ -58,7 +58,7 @@ async def staging(root: str) -> None:
 async def sigterm(root: str) -> None:
     """Preemption: SIGTERM arrives while two large saves are staged."""
     async with AsyncCheckpointManager(root, on_sigterm="flush") as mgr:
-        say("DAEMON", mgr._daemon.proc.pid)
+        say("DAEMON", mgr.daemon_pid)
         await mgr.save(1, {"w": torch.full((BIG,), 1.0)})
         await mgr.save(2, {"w": torch.full((BIG,), 2.0)})
         say("STAGED")

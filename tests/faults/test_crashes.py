@@ -37,20 +37,20 @@ async def test_daemon_sigkilled_while_writing(root):
     async with AsyncCheckpointManager(root, max_pending=2) as mgr:
         for step in (1, 2):
             await (await mgr.save(step, {"small": torch.arange(10) * step, "step": step}))
-        daemon = mgr._daemon.proc
+        first = mgr.daemon_pid
         # Both saves are staged before the daemon may start on them, so the kill lands while
         # step 3 is written and step 4 waits behind it, however fast staging or writing is.
-        os.kill(daemon.pid, signal.SIGSTOP)
+        os.kill(first, signal.SIGSTOP)
         writing = await mgr.save(3, big)
         queued = await mgr.save(4, big)
-        os.kill(daemon.pid, signal.SIGCONT)
+        os.kill(first, signal.SIGCONT)
         await anyio.to_thread.run_sync(
             wait_until,
             lambda: os.path.exists(step_dir(root, 3)),
             30,
             "the daemon starts writing step 3",
         )
-        os.kill(daemon.pid, signal.SIGKILL)
+        os.kill(first, signal.SIGKILL)
         with anyio.fail_after(30):  # a hang here is the failure this test exists for
             for handle in (writing, queued):
                 with pytest.raises(DaemonDiedError) as exc:
@@ -59,7 +59,7 @@ async def test_daemon_sigkilled_while_writing(root):
         assert await mgr.steps() == [1, 2]
         info = await (await mgr.save(5, {"small": torch.arange(5)}))
         assert info.step == 5
-        assert mgr._daemon.proc.pid != daemon.pid
+        assert mgr.daemon_pid != first
         assert await mgr.steps() == [1, 2, 5]
         for step in (1, 2):
             out = await mgr.load(step)

@@ -1,0 +1,106 @@
+"""Checks of what a caller hands the manager, made before anything reaches the daemon."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..errors import UnsupportedValueError
+from ..retention import RetentionPolicy
+
+#: Where checkpoints go when neither the root argument nor $AIOCKPT_ROOT names a place.
+DEFAULT_ROOT = "checkpoints"
+
+
+def root_url(root: str | os.PathLike[str] | None) -> str:
+    """The checkpoint root as a path or URL: ``root``, else $AIOCKPT_ROOT, else DEFAULT_ROOT."""
+    if root is None:
+        root = os.environ.get("AIOCKPT_ROOT") or DEFAULT_ROOT
+    url = os.fspath(root)
+    if not url:
+        raise ValueError("root must not be empty")
+    return url
+
+
+def positive_int(name: str, value: Any) -> int:
+    """``value`` if it is an int of at least 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, not {value!r}")
+    return value
+
+
+def positive_float(name: str, value: Any) -> float:
+    """``value`` as a float, if it is positive."""
+    if not value > 0:
+        raise ValueError(f"{name} must be positive, not {value!r}")
+    return float(value)
+
+
+def sigterm_mode(value: Any) -> str | None:
+    """``value`` if it is an on_sigterm mode: None or "flush"."""
+    if value not in (None, "flush"):
+        raise ValueError(f"on_sigterm must be None or 'flush', not {value!r}")
+    return value
+
+
+def retention_policy(policy: Any) -> RetentionPolicy | None:
+    """``policy`` if the daemon can run it: a policy instance, picklable by reference."""
+    if policy is None:
+        return None
+    if isinstance(policy, type) or not isinstance(policy, RetentionPolicy):
+        what = f"the class {policy.__name__}" if isinstance(policy, type) else type(policy).__name__
+        raise TypeError(f"retention must be a policy with a keep() method, not {what}")
+    try:
+        pickle.dumps(policy)
+    except Exception as e:
+        raise TypeError(
+            f"the retention policy {policy!r} cannot be sent to the daemon: {e}"
+        ) from None
+    # Pickle finds classes by module: the daemon never imports the trainer's __main__.
+    stack = [policy]
+    while stack:
+        p = stack.pop()
+        if type(p).__module__ == "__main__":
+            raise TypeError(
+                f"the retention policy {p!r} is defined in __main__, which the daemon does not "
+                "import; define it in an importable module"
+            )
+        stack.extend(getattr(p, "policies", ()))
+    return policy
+
+
+def clean_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The metrics as JSON numbers by name; a non-finite float becomes "nan", "inf" or
+    "-inf", as the manifest stores it."""
+    out: dict[str, Any] = {}
+    for k, v in (metrics or {}).items():
+        if not isinstance(k, str):
+            raise UnsupportedValueError(f"metrics/{k!r}", "metric names must be str")
+        if isinstance(v, torch.Tensor):
+            if v.numel() != 1:
+                raise UnsupportedValueError(f"metrics/{k}", "a tensor metric must hold one value")
+            v = v.item()
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise UnsupportedValueError(
+                f"metrics/{k}", f"metrics must be numbers, not {type(v).__name__}"
+            )
+        if isinstance(v, float) and not math.isfinite(v):
+            v = "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+        out[k] = v
+    return out
+
+
+def clean_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The metadata as a dict, refused unless it is plain JSON."""
+    data = dict(metadata or {})
+    try:
+        json.dumps(data, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise UnsupportedValueError("metadata", f"metadata must be plain JSON: {e}") from None
+    return data

@@ -1,0 +1,312 @@
+"""The trainer's connection to one daemon process.
+
+:class:`DaemonClient` is what the manager needs of a daemon: typed requests, sending saves,
+whether it is alive, and stopping it. :class:`SubprocessClient` is the real one: it spawns the
+daemon, shakes hands, and runs the reader that routes what the daemon sends to the manager's
+:class:`DaemonCallbacks`. A test drives the manager against a fake that implements the
+protocol, without a subprocess.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from multiprocessing import Pipe
+from typing import Any, Protocol, overload
+
+import anyio
+
+from .._core.protocol import (
+    CollectPartialsReq,
+    EventMsg,
+    Hello,
+    LoadReply,
+    LoadReq,
+    ProtocolMismatch,
+    PublishFailureReq,
+    ReadReq,
+    Ready,
+    RecordsReq,
+    Reply,
+    SaveDone,
+    SaveReq,
+    SlabFree,
+    SlabRef,
+    StepRecord,
+    StepsReq,
+    Stop,
+    check_protocol,
+)
+from ..errors import DaemonDiedError, DaemonStartError
+from .channel import Channel
+
+#: What the daemon process runs: ``python -c DAEMON_BOOT PKG_PARENT FD``. A fresh interpreter
+#: (spawn, never fork), which never imports the trainer's ``__main__``.
+DAEMON_BOOT = (
+    "import sys; sys.path.insert(0, sys.argv[1]); from aiockpt._daemon import main; "
+    "sys.exit(main(sys.argv[1:]))"
+)
+
+#: The daemon imports aiockpt from wherever this process did: this goes first on its path,
+#: ahead of the working directory that ``python -c`` would search first.
+_PKG_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonCallbacks:
+    """Where a client delivers what its daemon sends, in the order it was sent."""
+
+    #: A slab's bytes are durable (:class:`SlabFree`): its name.
+    slab_free: Callable[[str], None]
+    #: The end of one save.
+    save_done: Callable[[SaveDone], None]
+    #: An event made in the daemon.
+    event: Callable[[EventMsg], None]
+    #: The daemon is gone: the error its outstanding requests failed with, and whether it was
+    #: an expected exit (asked to stop, with no request outstanding).
+    gone: Callable[[DaemonDiedError, bool], Awaitable[None]]
+
+
+class DaemonClient(Protocol):
+    """One running daemon, as the manager sees it."""
+
+    @property
+    def alive(self) -> bool:
+        """False once the client knows the daemon is gone."""
+        ...
+
+    @property
+    def pid(self) -> int:
+        """The daemon's process id."""
+        ...
+
+    @property
+    def exit_code(self) -> int | None:
+        """The daemon's exit status, None while it runs."""
+        ...
+
+    async def serve(self) -> None:
+        """Deliver the daemon's messages to the callbacks until it is gone, then call
+        ``gone``; the manager runs this as a task for the daemon's lifetime."""
+        ...
+
+    @overload
+    async def request(self, kind: type[StepsReq]) -> tuple[int, ...]: ...
+    @overload
+    async def request(self, kind: type[RecordsReq]) -> tuple[StepRecord, ...]: ...
+    @overload
+    async def request(self, kind: type[CollectPartialsReq]) -> tuple[int, ...]: ...
+    @overload
+    async def request(
+        self, kind: type[PublishFailureReq], *, step: int, uuid: str, message: str
+    ) -> None: ...
+    @overload
+    async def request(
+        self,
+        kind: type[LoadReq],
+        *,
+        step: int | None,
+        rank: int,
+        world_size: int,
+        slab: SlabRef | None = None,
+    ) -> LoadReply: ...
+    async def request(self, kind: type[ReadReq], **fields: Any) -> Any:
+        """Send ``kind(id, **fields)`` and return its reply's value, or raise its error;
+        raises DaemonDiedError when the daemon is gone before it answers."""
+        ...
+
+    def send_save(self, req: SaveReq) -> None:
+        """Queue a save for the daemon's writer; raises OSError when the pipe is gone."""
+        ...
+
+    async def stop(self) -> None:
+        """Ask the daemon to finish what is queued and exit; wait for it, and for the reader
+        to deliver its last messages."""
+        ...
+
+
+class SubprocessClient:
+    """A daemon in a subprocess, over a pipe whose other end it inherited."""
+
+    def __init__(
+        self, proc: subprocess.Popen[bytes], chan: Channel, callbacks: DaemonCallbacks
+    ) -> None:
+        self.proc = proc
+        self._chan = chan
+        self._callbacks = callbacks
+        self._alive = True
+        self._stopping = False
+        #: Requests sent and not yet answered, by id: the event to set and the reply once set.
+        self._requests: dict[int, tuple[anyio.Event, list[Reply]]] = {}
+        self._ids = itertools.count(1)
+        self._reader_done = anyio.Event()
+
+    @classmethod
+    async def spawn(
+        cls,
+        hello: Hello,
+        callbacks: DaemonCallbacks,
+        *,
+        start_timeout: float,
+        boot: str = DAEMON_BOOT,
+    ) -> SubprocessClient:
+        """Start a daemon, send it ``hello`` and wait for its :class:`Ready`.
+
+        Raises DaemonStartError when it exits, answers late or speaks another protocol, and
+        the error it reports when it could not start. ``boot`` is the program it runs.
+        """
+        parent, child = Pipe(duplex=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", boot, _PKG_PARENT, str(child.fileno())],
+            pass_fds=(child.fileno(),),
+            stdin=subprocess.DEVNULL,
+        )
+        child.close()  # else EOF never arrives when the daemon dies
+        chan = Channel(parent)
+        try:
+            chan.send(hello)
+            with anyio.fail_after(start_timeout):
+                ready = await chan.recv()
+        except TimeoutError:
+            proc.kill()
+            await anyio.to_thread.run_sync(proc.wait)
+            chan.close()
+            raise DaemonStartError(
+                f"the daemon did not report READY within {start_timeout} s"
+            ) from None
+        except (EOFError, OSError):
+            code = await anyio.to_thread.run_sync(proc.wait)
+            chan.close()
+            raise DaemonStartError(
+                f"the daemon exited with code {code} before it was ready"
+            ) from None
+        refusal = _refusal(ready)
+        if refusal is not None:
+            await anyio.to_thread.run_sync(_wait_process, proc, 10.0)
+            if proc.poll() is None:
+                proc.kill()
+                await anyio.to_thread.run_sync(proc.wait)
+            chan.close()
+            raise refusal
+        return cls(proc, chan, callbacks)
+
+    @property
+    def alive(self) -> bool:
+        """False once the reader has seen the pipe close."""
+        return self._alive
+
+    @property
+    def pid(self) -> int:
+        """The daemon's process id."""
+        return self.proc.pid
+
+    @property
+    def exit_code(self) -> int | None:
+        """The daemon's exit status, None while it runs."""
+        return self.proc.poll()
+
+    async def serve(self) -> None:
+        """The reader: route each message to the callbacks until EOF, then report the death."""
+        try:
+            while True:
+                try:
+                    msg = await self._chan.recv()
+                except (EOFError, OSError):
+                    break
+                self._route(msg)
+            await self._gone()
+        finally:
+            self._reader_done.set()
+
+    def _route(self, msg: object) -> None:
+        if isinstance(msg, SlabFree):
+            self._callbacks.slab_free(msg.slab)
+        elif isinstance(msg, SaveDone):
+            self._callbacks.save_done(msg)
+        elif isinstance(msg, Reply):
+            slot = self._requests.pop(msg.id, None)
+            if slot is not None:
+                slot[1].append(msg)
+                slot[0].set()
+        elif isinstance(msg, EventMsg):
+            self._callbacks.event(msg)
+
+    async def _gone(self) -> None:
+        """The pipe closed: fail every outstanding request, then tell the manager."""
+        self._alive = False
+        code = await anyio.to_thread.run_sync(_wait_process, self.proc, 10.0)
+        expected = self._stopping and not self._requests
+        err = DaemonDiedError(
+            f"the checkpoint daemon (pid {self.proc.pid}) died with exit code {code}",
+            exit_code=code,
+        )
+        for ev, box in self._requests.values():
+            box.append(Reply(-1, error=err))
+            ev.set()
+        self._requests.clear()
+        await self._callbacks.gone(err, expected)
+
+    async def request(self, kind: type[ReadReq], **fields: Any) -> Any:
+        """Send ``kind(id, **fields)`` and return its reply's value, or raise its error."""
+        if not self._alive:  # the reader is done: nothing would answer
+            raise DaemonDiedError("the checkpoint daemon is gone", exit_code=self.exit_code)
+        rid = next(self._ids)
+        ev = anyio.Event()
+        box: list[Reply] = []
+        self._requests[rid] = (ev, box)
+        try:
+            self._chan.send(kind(rid, **fields))
+        except (OSError, ValueError):
+            self._requests.pop(rid, None)
+            raise DaemonDiedError(
+                "the checkpoint daemon is gone", exit_code=self.exit_code
+            ) from None
+        await ev.wait()
+        reply = box[0]
+        if reply.error is not None:
+            raise reply.error
+        return reply.value
+
+    def send_save(self, req: SaveReq) -> None:
+        """Queue a save for the daemon's writer; raises OSError when the pipe is gone."""
+        self._chan.send(req)
+
+    async def stop(self) -> None:
+        """Ask the daemon to finish what is queued and exit (killing it after 30 s), then let
+        the reader deliver its last replies, which are still in the pipe."""
+        if self._alive:
+            self._stopping = True
+            with contextlib.suppress(OSError, ValueError):
+                self._chan.send(Stop())
+            code = await anyio.to_thread.run_sync(_wait_process, self.proc, 30.0)
+            if code is None:
+                self.proc.kill()
+                await anyio.to_thread.run_sync(self.proc.wait)
+            with anyio.move_on_after(10):
+                await self._reader_done.wait()
+        self._chan.close()
+
+
+def _refusal(ready: object) -> BaseException | None:
+    """Why the daemon's first message does not let the manager go on, or None."""
+    if not isinstance(ready, Ready):
+        return DaemonStartError(f"the daemon answered {ready!r} instead of READY")
+    if ready.error is not None:
+        return ready.error
+    try:
+        check_protocol(ready.protocol, "daemon")
+    except ProtocolMismatch as e:
+        return DaemonStartError(str(e))
+    return None
+
+
+def _wait_process(proc: subprocess.Popen[bytes], timeout: float) -> int | None:
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        return None

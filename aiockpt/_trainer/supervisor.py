@@ -1,0 +1,128 @@
+"""Keeping a daemon running for the manager, and what a daemon's death means for its saves."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable
+
+import anyio
+import anyio.abc
+
+from .._core.protocol import CollectPartialsReq, EventMsg, Hello, PublishFailureReq, StepsReq
+from ..errors import CheckpointError, DaemonDiedError
+from .client import DaemonCallbacks, DaemonClient
+from .dist import Group
+from .ledger import Emit, Ledger
+from .mirror import DaemonMirror
+from .staging import SlabPool
+
+#: Starts a daemon from its Hello and connects to it, delivering what it sends to callbacks.
+Connect = Callable[[Hello, DaemonCallbacks], Awaitable[DaemonClient]]
+
+
+class Supervisor:
+    """One live daemon at a time: the first started at open, another after each death.
+
+    A death fails the saves the dead daemon had pending and frees their slabs. On several
+    ranks the other ranks are told first, through a new daemon, so that none of them waits
+    for this rank until its deadline.
+    """
+
+    def __init__(
+        self,
+        connect: Connect,
+        hello: Callable[[bool], Hello],
+        *,
+        pool: SlabPool,
+        ledger: Ledger,
+        mirror: DaemonMirror,
+        emit: Emit,
+        is_open: Callable[[], bool],
+    ) -> None:
+        self._connect = connect
+        self._hello = hello
+        self._pool = pool
+        self._ledger = ledger
+        self._mirror = mirror
+        self._emit = emit
+        self._is_open = is_open
+        self._lock = anyio.Lock()
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._group: Group | None = None
+        #: The daemon started last; it may have died since.
+        self.current: DaemonClient | None = None
+
+    async def start(self, tg: anyio.abc.TaskGroup, group: Group | None) -> None:
+        """Start the first daemon (its reader, and those of later ones, run in ``tg``) and
+        read the committed steps.
+
+        Partial step directories are removed first: by the daemon as it starts on one rank;
+        on several, by rank 0's once every rank has started (so none is saving yet) and
+        before any of them may save.
+        """
+        self._tg, self._group = tg, group
+        await self._spawn(collect_partials=group is None)
+        if group is not None:
+            group.barrier()
+            if group.rank == 0:
+                await (await self.live()).request(CollectPartialsReq)
+            group.barrier()
+        self._ledger.committed = set(await (await self.live()).request(StepsReq))
+
+    async def live(self) -> DaemonClient:
+        """The running daemon; after a death, a new one (which may have committed saves the
+        dead one had pending, so the committed steps are read again)."""
+        d = self.current
+        if d is not None and d.alive:
+            return d
+        async with self._lock:
+            d = self.current
+            if d is None or not d.alive:
+                d = await self._spawn()
+                self._emit("daemon.restart", where="daemon")
+                self._ledger.committed = set(await d.request(StepsReq))
+            return d
+
+    async def stop(self) -> None:
+        """Stop the current daemon, letting it finish what is queued."""
+        if self.current is not None:
+            await self.current.stop()
+
+    async def publish_failures(self, lost: list[tuple[int, str]], why: str) -> None:
+        """Tell the other ranks that this rank's saves of these (step, uuid) failed, so they
+        stop waiting for this rank now rather than at their deadline."""
+        with contextlib.suppress(CheckpointError):
+            for step, uuid in lost:
+                d = await self.live()
+                await d.request(PublishFailureReq, step=step, uuid=uuid, message=why)
+
+    async def _spawn(self, *, collect_partials: bool = False) -> DaemonClient:
+        assert self._tg is not None, "start() comes first"
+        callbacks = DaemonCallbacks(
+            slab_free=self._pool.release,
+            save_done=self._ledger.save_done,
+            event=self._relay,
+            gone=self._gone,
+        )
+        d = await self._connect(self._hello(collect_partials), callbacks)
+        self.current = d
+        self._mirror.new_daemon()
+        self._tg.start_soon(d.serve)
+        self._emit("daemon.spawn", where="daemon")
+        return d
+
+    def _relay(self, msg: EventMsg) -> None:
+        self._emit(msg.name, uuid=msg.uuid, step=msg.step, **msg.fields)
+
+    async def _gone(self, err: DaemonDiedError, expected: bool) -> None:
+        self._emit("daemon.exit", where="daemon")
+        if expected and not self._ledger.pending:
+            return
+        self._pool.release_all()
+        pending = list(self._ledger.pending.values())
+        if self._group is not None and pending and self._is_open():
+            # Before anyone hears of the failure: this rank's next save() blocks in a
+            # collective, so the other ranks must already know not to wait for it.
+            await self.publish_failures([(h.step, h.uuid) for h in pending], str(err))
+        for handle in pending:
+            self._ledger.fail(handle, err)
