@@ -89,7 +89,6 @@ class AsyncCheckpointManager:
         self._mirror = DaemonMirror(flattener, layouts)
         self._daemons = Supervisor(
             self._connect,
-            self._hello,
             pool=self._pool,
             ledger=self._ledger,
             mirror=self._mirror,
@@ -138,7 +137,17 @@ class AsyncCheckpointManager:
         self._tg = await stack.enter_async_context(anyio.create_task_group())
         self._exit_stack = stack
         try:
-            await self._daemons.start(self._tg, self._group)
+            hello = Hello(
+                url=self.url,
+                storage_options=self.storage_options,
+                retention=self.retention,
+                rank=self.rank,
+                world_size=self.world_size,
+                trainer_pid=os.getpid(),
+                collect_partials=self._group is None,
+                dist_timeout=self.dist_timeout if self.world_size > 1 else None,
+            )
+            await self._daemons.start(self._tg, self._group, hello)
             if self.on_sigterm is not None:
                 self._sigterm = SigtermFlush(self._flush)
                 await self._sigterm.start(self._tg)
@@ -211,18 +220,6 @@ class AsyncCheckpointManager:
         """Start a daemon and connect to it: the seam a test overrides to run the manager
         against a daemon of its own."""
         return await SubprocessClient.spawn(hello, callbacks, start_timeout=self.start_timeout)
-
-    def _hello(self, collect_partials: bool) -> Hello:
-        return Hello(
-            url=self.url,
-            storage_options=self.storage_options,
-            retention=self.retention,
-            rank=self.rank,
-            world_size=self.world_size,
-            trainer_pid=os.getpid(),
-            collect_partials=collect_partials,
-            dist_timeout=self.dist_timeout if self.world_size > 1 else None,
-        )
 
     def _emit(self, name: str, **fields: Any) -> None:
         self.events.emit(name, **fields)

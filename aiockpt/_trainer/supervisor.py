@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 
 import anyio
 import anyio.abc
@@ -31,7 +32,6 @@ class Supervisor:
     def __init__(
         self,
         connect: Connect,
-        hello: Callable[[bool], Hello],
         *,
         pool: SlabPool,
         ledger: Ledger,
@@ -40,7 +40,7 @@ class Supervisor:
         is_open: Callable[[], bool],
     ) -> None:
         self._connect = connect
-        self._hello = hello
+        self._hello: Hello | None = None
         self._pool = pool
         self._ledger = ledger
         self._mirror = mirror
@@ -52,16 +52,16 @@ class Supervisor:
         #: The daemon started last; it may have died since.
         self.current: DaemonClient | None = None
 
-    async def start(self, tg: anyio.abc.TaskGroup, group: Group | None) -> None:
-        """Start the first daemon (its reader, and those of later ones, run in ``tg``) and
-        read the committed steps.
+    async def start(self, tg: anyio.abc.TaskGroup, group: Group | None, hello: Hello) -> None:
+        """Start the first daemon with ``hello`` (later ones get it too, but never collect
+        partials), its reader and those of later ones in ``tg``; read the committed steps.
 
         Partial step directories are removed first: by the daemon as it starts on one rank;
         on several, by rank 0's once every rank has started (so none is saving yet) and
         before any of them may save.
         """
-        self._tg, self._group = tg, group
-        await self._spawn(collect_partials=group is None)
+        self._tg, self._group, self._hello = tg, group, hello
+        await self._spawn(hello)
         if group is not None:
             group.barrier()
             if group.rank == 0:
@@ -78,7 +78,8 @@ class Supervisor:
         async with self._lock:
             d = self.current
             if d is None or not d.alive:
-                d = await self._spawn()
+                assert self._hello is not None, "start() comes first"
+                d = await self._spawn(replace(self._hello, collect_partials=False))
                 self._emit("daemon.restart", where="daemon")
                 self._ledger.committed = set(await d.request(StepsReq))
             return d
@@ -96,7 +97,7 @@ class Supervisor:
                 d = await self.live()
                 await d.request(PublishFailureReq, step=step, uuid=uuid, message=why)
 
-    async def _spawn(self, *, collect_partials: bool = False) -> DaemonClient:
+    async def _spawn(self, hello: Hello) -> DaemonClient:
         assert self._tg is not None, "start() comes first"
         callbacks = DaemonCallbacks(
             slab_free=self._pool.release,
@@ -104,7 +105,7 @@ class Supervisor:
             event=self._relay,
             gone=self._gone,
         )
-        d = await self._connect(self._hello(collect_partials), callbacks)
+        d = await self._connect(hello, callbacks)
         self.current = d
         self._mirror.new_daemon()
         self._tg.start_soon(d.serve)
