@@ -115,3 +115,17 @@ def test_loading_the_daemon_or_the_cli_loads_no_torch(module):
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_no_class_over_300_lines_and_no_function_over_80():
+    """Small pieces: a class that outgrows this holds more than one concern."""
+    roots = [PKG, PKG.parent / "plugins" / "aiockpt-s3" / "aiockpt_s3"]
+    too_big = []
+    for path in (p for root in roots for p in sorted(root.rglob("*.py"))):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                limit = 300 if isinstance(node, ast.ClassDef) else 80
+                assert node.end_lineno is not None
+                if node.end_lineno - node.lineno + 1 > limit:
+                    too_big.append(f"{path.name}:{node.lineno} {node.name}")
+    assert too_big == []

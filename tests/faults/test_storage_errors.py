@@ -58,9 +58,9 @@ async def test_file_size_limit_fails_the_save_with_efbig(tmp_path, scheme):
         assert not os.path.exists(step_dir(root, 3))
         assert torch.equal((await mgr.load(2))["w"], torch.arange(20))
         # The manager (and its daemon) keep working, and retention resumes with the next commit.
-        daemon = mgr._daemon.proc.pid
+        daemon = mgr.daemon_pid
         await (await mgr.save(4, {"w": torch.arange(40)}))
-        assert mgr._daemon.proc.pid == daemon
+        assert mgr.daemon_pid == daemon
         assert await mgr.steps() == [4]
         with pytest.raises(StorageError):  # a second failure is reported the same way
             await (await mgr.save(5, big))
