@@ -29,8 +29,8 @@ class S3Options:
     backoff: float = 0.2
     max_backoff: float = 10.0
     #: "crc32c": send each part's and object's CRC32C as S3's additional checksum, so the
-    #: server verifies what it stores. "md5": Content-MD5 instead, for servers that do not
-    #: take additional checksums. None: send none (bodies are never SHA-256 signed either).
+    #: server verifies what it stores. None: send none, for servers that do not take
+    #: additional checksums (bodies are never SHA-256 signed either).
     checksum: str | None = "crc32c"
 
     def __post_init__(self) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
 from collections.abc import Awaitable
 from typing import Any
 
@@ -48,19 +47,13 @@ def _b64crc(buf: memoryview | bytes) -> str:
     return base64.b64encode(crc32c.crc32c(buf).to_bytes(4, "big")).decode()
 
 
-def _b64md5(buf: memoryview | bytes) -> str:
-    return base64.b64encode(hashlib.md5(buf).digest()).decode()
-
-
 async def checksum_params(checksum: str | None, body: memoryview | bytes) -> dict[str, str]:
     """The checksum parameters of a request sending ``body`` (``checksum``: S3Options')."""
     if checksum is None:
         return {}
-    # Both release the GIL: off the loop thread, parts are checksummed in parallel.
-    fn = _b64crc if checksum == "crc32c" else _b64md5
-    value = await asyncio.get_running_loop().run_in_executor(None, fn, body)
-    name = "ChecksumCRC32C" if checksum == "crc32c" else "ContentMD5"
-    return {name: value}
+    # crc32c releases the GIL: off the loop thread, parts are checksummed in parallel.
+    value = await asyncio.get_running_loop().run_in_executor(None, _b64crc, body)
+    return {"ChecksumCRC32C": value}
 
 
 async def gather_or_cancel(coros: list[Awaitable[None]]) -> None:
