@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -97,9 +96,10 @@ def test_a_hostile_table_is_refused_naming_where(shape, chunks, why):
     assert why in str(caught.value)
 
 
-def test_thousands_of_chunks_are_checked_in_near_linear_time():
+def test_thousands_of_chunks_are_checked_by_a_sort():
     """The common tables (1-D on dim 0 or another dim, 2-D grids) take a sort, not n² pairs:
-    20 000 chunks pairwise would be 2·10⁸ comparisons, minutes in Python."""
+    20 000 chunks pairwise would be 2·10⁸ comparisons, minutes in Python, past the suite's
+    per-test timeout. (No wall-clock assertion here: speed belongs in benchmarks.)"""
     n = 20_000
     tables = [
         ((n * 2, 8), [Chunk((2 * i, 0), (2, 8)) for i in reversed(range(n))]),
@@ -107,9 +107,7 @@ def test_thousands_of_chunks_are_checked_in_near_linear_time():
         ((200, 100), [Chunk((r, c), (1, 1)) for r in range(200) for c in range(100)]),
     ]
     for shape, chunks in tables:
-        began = time.perf_counter()
-        check_chunks(shape, chunks, where="w")
-        assert time.perf_counter() - began < 3.0
+        check_chunks(shape, chunks, where="w")  # tiles exactly: no error
     # The hostile twin of the first: one repeated row is found as fast.
     shape, chunks = tables[0]
     with pytest.raises(CorruptCheckpointError, match="overlap"):
