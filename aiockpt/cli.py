@@ -18,12 +18,13 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, TextIO
 
 from ._core import format as fmt
 from ._core.catalog import Catalog
+from ._core.tree import plain_values
 from .errors import CheckpointError
 from .retention import (
     AnyOf,
@@ -174,31 +175,6 @@ def table(rows: list[list[str]], out: TextIO, *, right: Sequence[int] = ()) -> N
             for i, (cell, w) in enumerate(zip(row, widths, strict=True))
         ]
         out.write("  ".join(cells).rstrip() + "\n")
-
-
-def plain_values(tree: Any) -> Iterator[tuple[str, str]]:
-    """(key path, value) of every non-tensor leaf, in tree order; iterative (trees are deep)."""
-    stack: list[tuple[str, Any]] = [("", tree)]
-    while stack:
-        path, node = stack.pop()
-        ((tag, body),) = node.items()
-        prefix = f"{path}/" if path else ""
-        if tag == "T":
-            continue
-        if tag == "V":
-            yield path or "<root>", json.dumps(body, ensure_ascii=False)
-        elif tag == "F":
-            yield path or "<root>", body
-        elif tag == "S":
-            stack.append((path, body))
-        elif tag == "D":
-            if not body and path:
-                yield path, "{}"
-            stack.extend((f"{prefix}{k}", child) for k, child in reversed(body))
-        elif tag in ("L", "U"):
-            if not body and path:
-                yield path, "[]" if tag == "L" else "()"
-            stack.extend((f"{prefix}{i}", child) for i, child in reversed(list(enumerate(body))))
 
 
 class Progress:

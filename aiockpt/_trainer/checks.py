@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import pickle
 from collections.abc import Mapping
@@ -11,6 +10,7 @@ from typing import Any
 
 import torch
 
+from .._core.tree import encode_float
 from ..errors import UnsupportedValueError
 from ..retention import RetentionPolicy
 
@@ -90,9 +90,7 @@ def clean_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
             raise UnsupportedValueError(
                 f"metrics/{k}", f"metrics must be numbers, not {type(v).__name__}"
             )
-        if isinstance(v, float) and not math.isfinite(v):
-            v = "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
-        out[k] = v
+        out[k] = encode_float(v) if isinstance(v, float) else v
     return out
 
 
