@@ -34,7 +34,9 @@ class Segment:
         fd = _posixshmem.shm_open(name, flags, mode=0o600)
         try:
             if create:
-                os.ftruncate(fd, size)
+                # At least one byte: an empty segment is still mapped (below), and mmap refuses
+                # a length past the end of the file.
+                os.ftruncate(fd, max(size, 1))
             elif os.fstat(fd).st_size < size:
                 raise ValueError(f"shared memory {name} is smaller than {size} bytes")
             # mmap of length 0 is an error; an empty save still gets a one-page segment.
