@@ -28,6 +28,7 @@ async def test_a_checkpoint_without_tensor_bytes_loads(root, state):
         assert out.keys() == state.keys()
         for key, value in state.items():
             if torch.is_tensor(value):
-                assert out[key].dtype == value.dtype and out[key].shape == value.shape
+                assert out[key].dtype == value.dtype
+                assert out[key].shape == value.shape
             else:
                 assert out[key] == value

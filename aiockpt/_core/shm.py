@@ -39,7 +39,7 @@ class Segment:
                 os.ftruncate(fd, max(size, 1))
             elif os.fstat(fd).st_size < size:
                 raise ValueError(f"shared memory {name} is smaller than {size} bytes")
-            # mmap of length 0 is an error; an empty save still gets a one-page segment.
+            # mmap of length 0 is an error; an empty save still gets a one-byte segment.
             # MAP_POPULATE maps every page in at once, in the kernel: cheaper than a fault per
             # 4 KiB page on first touch (a 1 GiB slab has 262,144). Not for a segment that a
             # read fills at once: zeroing its pages first would double the work (measured at
