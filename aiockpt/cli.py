@@ -345,6 +345,20 @@ def keep_policy(args: argparse.Namespace) -> RetentionPolicy | None:
     return AnyOf(*parts) if parts else None
 
 
+def require_metrics(best: Sequence[BestN], records: Sequence[CheckpointRecord]) -> None:
+    """A --keep-best metric that no checkpoint has is a mistake (a typo would otherwise plan
+    to delete all but the newest checkpoint). Checkpoints that lack a metric some others have
+    are never counted as best by it."""
+    present = {name for r in records for name in r.metrics}
+    for policy in best:
+        if policy.metric not in present:
+            there = ", ".join(sorted(present)) or "none"
+            raise UsageError(
+                f"no checkpoint has the metric {policy.metric!r} of --keep-best "
+                f"(metrics there: {there})"
+            )
+
+
 def cmd_prune(args: argparse.Namespace) -> int:
     """``aiockpt prune``: what the policy would delete, and partial saves; deleted with --yes
     (a checkpoint's manifest first, so a deletion cut short never leaves a broken step)."""
@@ -358,6 +372,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
             print(f"keeping step {e.step}: its manifest is unreadable ({e.error})", file=sys.stderr)
         else:
             records.append(CheckpointRecord(e.step, e.manifest.created_at, e.manifest.metrics))
+    require_metrics(args.keep_best, records)
     readable = [e for e in root.committed if e.manifest is not None]
     doomed = set(select_deletions(policy, records))
     step_dirs = {e.step: True for e in root.committed} | dict.fromkeys(root.partials, False)

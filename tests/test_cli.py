@@ -314,6 +314,15 @@ def test_prune_always_keeps_the_newest(run):
     assert step_dirs(run) == [2, 6]  # 2 is the best; 6 the newest
 
 
+def test_prune_refuses_a_best_metric_no_checkpoint_has(run):
+    """A typo in --keep-best must not plan to delete everything but the newest."""
+    r = aiockpt("prune", run, "--keep-best", "val_loss:min:1", "--yes")
+    assert r.returncode == 2
+    assert "val_loss" in r.stderr
+    assert "loss" in r.stderr.partition("val_loss")[2]  # names the metrics there are
+    assert step_dirs(run) == STEPS  # nothing deleted
+
+
 def test_prune_removes_partials_but_not_one_a_save_may_be_writing(run):
     make_partial(run, 0)  # below the newest commit: a dead save
     make_partial(run, 7)  # above it: maybe a save in flight
