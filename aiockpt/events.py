@@ -61,12 +61,13 @@ EVENT_NAMES = frozenset(
         "daemon.spawn",
         "daemon.exit",
         "daemon.restart",
+        "shm.swept",
     }
 )
 
 #: Events worth a line at INFO: ends of operations and the daemon's life and deletions.
 _INFO_EVENTS = frozenset(
-    {"save.end", "load.end", "retention.delete", "daemon.spawn", "daemon.exit"}
+    {"save.end", "load.end", "retention.delete", "daemon.spawn", "daemon.exit", "shm.swept"}
 )
 
 

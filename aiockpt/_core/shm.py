@@ -83,6 +83,43 @@ def trainer_segments(pid: int) -> list[str]:
         return []
 
 
+def sweep_orphans() -> dict[str, int]:
+    """Unlink the segments of aiockpt processes that are gone; return their sizes by name.
+
+    A job killed whole (SIGKILL from a scheduler) leaves its slabs behind: nobody was left to
+    unlink them. A segment's name carries its creator's pid; one whose creator no longer exists
+    is unlinked. A live process's segments, this one's and any other's, are never touched (a
+    pid that was reused counts as live: the segment stays, which is safe). Unlinking only
+    removes the name: a daemon still finishing a dead trainer's save keeps its mapping.
+    """
+    try:
+        names = os.listdir("/dev/shm")
+    except OSError:
+        return {}
+    swept: dict[str, int] = {}
+    for name in sorted(names):
+        prefix, _, rest = name.partition("-")
+        pid_text = rest.partition("-")[0]
+        if prefix != PREFIX or not pid_text.isascii() or not pid_text.isdigit():
+            continue
+        pid = int(pid_text)
+        if pid != os.getpid() and not _alive(pid):
+            with contextlib.suppress(OSError):
+                swept[f"/{name}"] = os.stat(f"/dev/shm/{name}").st_size
+                unlink(f"/{name}")
+    return swept
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def unlink(name: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         _posixshmem.shm_unlink(name)

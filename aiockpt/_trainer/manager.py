@@ -28,8 +28,9 @@ from .._core.protocol import (
     SlabRef,
     StepsReq,
 )
+from .._core.shm import sweep_orphans
 from ..errors import DaemonError, ManagerClosedError
-from ..events import EventDispatcher, EventHandler, entry_point_handlers, process_group_info
+from ..events import EventDispatcher, EventHandler, entry_point_handlers, logger, process_group_info
 from ..retention import CheckpointRecord, RetentionPolicy, best_order
 from . import checks
 from . import dist as _dist
@@ -133,6 +134,10 @@ class AsyncCheckpointManager:
             world_size=self.world_size,
             process_group=group_info,
         )
+        swept = sweep_orphans()  # a job killed whole leaves its slabs: nobody unlinked them
+        if swept:
+            logger.info("removed shared memory left by processes that are gone: %s", list(swept))
+            self.events.emit("shm.swept", nbytes=sum(swept.values()))
         stack = contextlib.AsyncExitStack()
         self._tg = await stack.enter_async_context(anyio.create_task_group())
         self._exit_stack = stack
