@@ -22,6 +22,22 @@ def _segments() -> set[str]:
         return set()
 
 
+def leaked_segments(before: set[str]) -> set[str]:
+    """Segments made since ``before`` by this process, a descendant, or a process that is gone
+    (a daemon of this test that died): another live process's aiockpt, elsewhere on the
+    machine, is not this test's leak."""
+    family = {os.getpid(), *(p.pid for p in psutil.Process().children(recursive=True))}
+    leaked = set()
+    for name in _segments() - before:
+        pid_text = name.split("-")[1]
+        if not pid_text.isdigit():
+            continue
+        pid = int(pid_text)
+        if pid in family or not psutil.pid_exists(pid):
+            leaked.add(name)
+    return leaked
+
+
 @pytest.fixture(autouse=True)
 def no_leaks() -> Iterator[None]:
     """After every test: no shared-memory segment and no daemon process left behind."""
@@ -29,7 +45,7 @@ def no_leaks() -> Iterator[None]:
     yield
     deadline = time.monotonic() + 10
     while True:
-        leaked = _segments() - before
+        leaked = leaked_segments(before)
         children = [
             p
             for p in psutil.Process().children(recursive=True)
