@@ -112,6 +112,14 @@ def test_walk_visits_parents_first_in_tree_order():
     assert [n[0] for n in tree.walk(t, paths=False)] == [""] * len(nodes)
 
 
+def test_walk_checks_tensor_references_only_when_given_the_names():
+    t = {"D": [["w", {"T": "w"}], ["b", {"T": "b"}]]}
+    assert len(list(tree.walk(t))) == 3
+    assert len(list(tree.walk(t, tensor_names={"w", "b"}))) == 3
+    with pytest.raises(tree.MalformedTree, match="unknown tensor 'b'"):
+        list(tree.walk(t, tensor_names={"w"}))
+
+
 def test_the_tags_are_distinct_and_documented():
     tags = [tree.TENSOR, tree.DICT, tree.LIST, tree.TUPLE, tree.STATEFUL, tree.VALUE, tree.FLOAT]
     assert len(set(tags)) == len(tags)
