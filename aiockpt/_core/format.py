@@ -426,10 +426,11 @@ def encode_tree(tree: Any, fragments: dict[int, str]) -> str:
     """The JSON text of a state tree as the trainer sends it, where a fragment_ref(id) string
     stands for the fragment ``id`` whose JSON text the daemon holds in ``fragments``.
 
-    A fragment is a large mapping sent once and reused by later saves (see _state.Flattener);
-    its text is spliced in, never encoded again. A reference is a string holding a NUL, which
-    JSON escapes as ``\\u0000``; no stored string holds a NUL (flatten refuses them), so
-    nothing else can match, and a tree without references is encoded by json.dumps alone.
+    A fragment is a large mapping sent once and reused by later saves (see
+    _trainer.state.Flattener); its text is spliced in, never encoded again. A reference is a
+    string holding a NUL, which JSON escapes as ``\\u0000``; no stored string holds a NUL
+    (flatten refuses them), so nothing else can match, and a tree without references is
+    encoded by json.dumps alone.
     """
     text = json.dumps(tree, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     if "\\u0000" in text:
