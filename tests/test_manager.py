@@ -241,6 +241,11 @@ async def test_load_from_empty_root_is_not_found(root):
         ({"a": {(1, 2): 3}}, "a/(1, 2)", "keys must be str or int"),
         ({"a": {True: 3}}, "a/True", "keys must be str or int"),
         ({"a": torch.zeros(2).to_sparse()}, "a", "dense"),
+        (
+            {"n": {"t": torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])}},
+            "n/t",
+            "nested",
+        ),
         ({"a\x00b": 1}, "'a\\x00b'", "NUL"),
         ({0: torch.zeros(1), "0": torch.zeros(1)}, "0", "two keys"),
     ],

@@ -152,6 +152,7 @@ async def test_non_contiguous_values_after_contiguous_ones(root):
     [
         (lambda: torch.empty(5, device="meta"), "tensors on meta are not supported"),
         (lambda: torch.ones(5).to_sparse(), "only dense tensors"),
+        (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "nested tensors"),
         (lambda: 3 + 4j, "values of type builtins.complex cannot be saved"),
     ],
 )

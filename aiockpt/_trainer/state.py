@@ -291,6 +291,7 @@ class _Walk:
             dtype not in TORCH_TO_ST
             or t.layout is not torch.strided
             or t.is_quantized
+            or t.is_nested
             or not (t.is_cpu or t.is_cuda)
         ):
             raise UnsupportedValueError(path, _tensor_problem(t))
@@ -319,6 +320,8 @@ def _check_key(key: Any, path: str) -> None:
 
 
 def _tensor_problem(t: torch.Tensor) -> str:
+    if t.is_nested:
+        return "nested tensors are not saved (unbind() it into a list of tensors)"
     if t.layout is not torch.strided or t.is_quantized:
         return f"only dense tensors are saved, not {'quantized' if t.is_quantized else t.layout}"
     if t.dtype not in TORCH_TO_ST:
