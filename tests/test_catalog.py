@@ -9,6 +9,7 @@ import random
 import crc32c
 import pytest
 import torch
+from _support.roots import make_partial
 
 from aiockpt import AsyncCheckpointManager
 from aiockpt._core import catalog as catalog_module
@@ -34,13 +35,6 @@ async def save_steps(root: str, *steps: int) -> None:
     async with AsyncCheckpointManager(root) as mgr:
         for step in steps:
             await (await mgr.save(step, state(step), metrics={"loss": 1.0 / (step + 1)}))
-
-
-def make_partial(root: str, step: int) -> None:
-    path = os.path.join(root, fmt.step_dirname(step))
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, fmt.shard_filename(0)), "wb") as f:
-        f.write(b"\0" * 100)  # a shard cut short by a crash
 
 
 def shard_path(root: str, step: int) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
+from _support.roots import make_partial, step_numbers
 
 from aiockpt import AsyncCheckpointManager
 from aiockpt._core import format as fmt
@@ -87,17 +88,6 @@ def flip_byte(path: str, offset: int) -> None:
         b = f.read(1)
         f.seek(offset)
         f.write(bytes([b[0] ^ 0x01]))
-
-
-def step_dirs(root: str) -> list[int]:
-    return sorted(s for n in os.listdir(root) if (s := fmt.parse_step_dirname(n)) is not None)
-
-
-def make_partial(root: str, step: int) -> None:
-    path = os.path.join(root, fmt.step_dirname(step))
-    os.makedirs(path)
-    with open(os.path.join(path, fmt.shard_filename(0)), "wb") as f:
-        f.write(b"half a shard")
 
 
 # --------------------------------------------------------------------------- ls and show
@@ -277,7 +267,7 @@ def test_verify_draws_a_progress_bar_on_a_terminal(run):
 
 
 def test_prune_shows_then_deletes_with_yes(run):
-    before = step_dirs(run)
+    before = step_numbers(run)
     args = ("prune", run, "--keep-last", "2", "--keep-every", "3", "--keep-best", "loss:min:1")
     r = aiockpt(*args)
     assert r.returncode == 0, r.stderr
@@ -287,13 +277,13 @@ def test_prune_shows_then_deletes_with_yes(run):
         "keeping 4 checkpoints: 2, 3, 5, 6",
     ]
     assert "dry run" in r.stderr
-    assert step_dirs(run) == before  # nothing deleted without --yes
+    assert step_numbers(run) == before  # nothing deleted without --yes
 
     r = aiockpt(*args, "--yes")
     assert r.returncode == 0, r.stderr
     assert "deleting step 1" in r.stdout
     assert "deleting step 4" in r.stdout
-    assert step_dirs(run) == [2, 3, 5, 6]
+    assert step_numbers(run) == [2, 3, 5, 6]
     assert aiockpt("verify", run).returncode == 0
     # A second pass finds nothing more to do.
     again = aiockpt(*args, "--yes")
@@ -311,7 +301,7 @@ def _time(root: str, step: int) -> str:
 def test_prune_always_keeps_the_newest(run):
     r = aiockpt("prune", run, "--keep-best", "loss:min:1", "--yes")
     assert r.returncode == 0, r.stderr
-    assert step_dirs(run) == [2, 6]  # 2 is the best; 6 the newest
+    assert step_numbers(run) == [2, 6]  # 2 is the best; 6 the newest
 
 
 def test_prune_refuses_a_best_metric_no_checkpoint_has(run):
@@ -320,7 +310,7 @@ def test_prune_refuses_a_best_metric_no_checkpoint_has(run):
     assert r.returncode == 2
     assert "val_loss" in r.stderr
     assert "loss" in r.stderr.partition("val_loss")[2]  # names the metrics there are
-    assert step_dirs(run) == STEPS  # nothing deleted
+    assert step_numbers(run) == STEPS  # nothing deleted
 
 
 def test_prune_removes_partials_but_not_one_a_save_may_be_writing(run):
@@ -334,11 +324,11 @@ def test_prune_removes_partials_but_not_one_a_save_may_be_writing(run):
     ]
     assert "--all-partials" in r.stderr
     assert ": 7" in r.stderr
-    assert step_dirs(run) == [0, *STEPS, 7]
+    assert step_numbers(run) == [0, *STEPS, 7]
     assert aiockpt("prune", run, "--yes").returncode == 0
-    assert step_dirs(run) == [*STEPS, 7]
+    assert step_numbers(run) == [*STEPS, 7]
     assert aiockpt("prune", run, "--all-partials", "--yes").returncode == 0
-    assert step_dirs(run) == STEPS
+    assert step_numbers(run) == STEPS
 
 
 @pytest.mark.anyio
@@ -398,7 +388,7 @@ def test_mistakes_exit_2_with_one_line(run, tmp_path, args, message):
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith("aiockpt: error: ")
     assert message in lines[0]
-    assert step_dirs(run) == STEPS  # and nothing was touched
+    assert step_numbers(run) == STEPS  # and nothing was touched
 
 
 def test_help_exits_0(run):
@@ -447,7 +437,7 @@ def test_any_fsspec_url_works_as_root(run):
     assert r.returncode == 1
     assert "tensor 'model/weight' crc32c mismatch" in r.stdout
     assert aiockpt("prune", url, *opts, "--keep-last", "1", "--yes").returncode == 0
-    assert step_dirs(run) == [6]
+    assert step_numbers(run) == [6]
 
 
 def test_show_and_verify_cover_every_rank_of_a_multi_rank_checkpoint(run):

@@ -16,6 +16,7 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
+from _support.roots import live_daemons
 
 from aiockpt import AsyncCheckpointManager, LatestN
 from aiockpt._core import format as fmt
@@ -104,11 +105,7 @@ def state(seed: int = 0) -> dict[str, Any]:
 
 
 def daemon_process() -> psutil.Process:
-    (proc,) = [
-        p
-        for p in psutil.Process().children(recursive=True)
-        if p.status() != psutil.STATUS_ZOMBIE and "aiockpt._daemon" in " ".join(p.cmdline())
-    ]
+    (proc,) = live_daemons()
     return proc
 
 

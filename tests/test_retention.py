@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _support.roots import make_partial
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -493,14 +494,6 @@ def test_an_unpicklable_policy_is_refused_at_construction():
 
 
 # --------------------------------------------------------------------------- partials
-
-
-def make_partial(root: str, step: int) -> str:
-    path = os.path.join(root, fmt.step_dirname(step))
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, fmt.shard_filename(0)), "wb") as f:
-        f.write(b"\0" * 100)  # a shard cut short by a crash
-    return path
 
 
 @pytest.mark.anyio

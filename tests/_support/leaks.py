@@ -12,14 +12,11 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-SHM = "/dev/shm"
+from .roots import SHM, live_daemons, shm_segments
 
 
 def _segments() -> set[str]:
-    try:
-        return {n for n in os.listdir(SHM) if n.startswith("aiockpt-")}
-    except FileNotFoundError:
-        return set()
+    return shm_segments()
 
 
 def leaked_segments(before: set[str]) -> set[str]:
@@ -46,12 +43,7 @@ def no_leaks() -> Iterator[None]:
     deadline = time.monotonic() + 10
     while True:
         leaked = leaked_segments(before)
-        children = [
-            p
-            for p in psutil.Process().children(recursive=True)
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-        ]
-        daemons = [p for p in children if "aiockpt._daemon" in " ".join(p.cmdline())]
+        daemons = live_daemons()
         if not leaked and not daemons:
             return
         if time.monotonic() > deadline:

@@ -16,25 +16,8 @@ from typing import Any
 import crc32c
 import psutil
 
-SHM = "/dev/shm"
 TRAINER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_trainer.py")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def shm_segments(pid: int | None = None) -> set[str]:
-    """aiockpt's shared-memory segments, or only those created by process ``pid``."""
-    prefix = "aiockpt-" if pid is None else f"aiockpt-{pid}-"
-    try:
-        return {n for n in os.listdir(SHM) if n.startswith(prefix)}
-    except FileNotFoundError:
-        return set()
-
-
-def is_daemon(proc: psutil.Process) -> bool:
-    try:
-        return "aiockpt._daemon" in " ".join(proc.cmdline())
-    except psutil.Error:
-        return False
 
 
 def alive(pid: int) -> bool:

@@ -8,9 +8,9 @@ import signal
 import threading
 
 import anyio
-import psutil
 import pytest
 import torch
+from _support.roots import live_daemons, shm_segments
 
 from aiockpt import AsyncCheckpointManager
 from aiockpt.errors import DaemonDiedError
@@ -20,7 +20,6 @@ from ._helpers import (
     alive,
     committed,
     reap_daemon,
-    shm_segments,
     step_dir,
     verify_checkpoint,
     wait_until,
@@ -220,7 +219,7 @@ def test_sigterm_flush_outside_the_main_thread_is_refused(root):
     assert len(errors) == 1
     assert isinstance(errors[0], RuntimeError)
     assert "main thread" in str(errors[0])
-    assert not [p for p in psutil.Process().children() if "aiockpt._daemon" in str(p.cmdline())]
+    assert live_daemons() == []
 
 
 def test_on_sigterm_value_is_checked(root):

@@ -23,6 +23,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from _support.roots import shm_segments
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -32,7 +33,7 @@ from aiockpt._core.protocol import Hello, LoadReq
 from aiockpt._daemon.server import Daemon, PipeEnd
 from aiockpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedValueError
 
-from ._helpers import shm_segments, step_dir
+from ._helpers import step_dir
 
 SHARD = "shard_r00000.safetensors"
 HOSTILE_NAMES = [

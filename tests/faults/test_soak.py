@@ -8,10 +8,11 @@ import os
 import psutil
 import pytest
 import torch
+from _support.roots import shm_segments
 
 from aiockpt import AsyncCheckpointManager
 
-from ._helpers import shm_segments, step_dir
+from ._helpers import step_dir
 
 pytestmark = pytest.mark.anyio
 
