@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from aiockpt import AsyncCheckpointManager
-from aiockpt._core.shm import Segment, unlink
+from aiockpt._core.shm import Segment, sweep_orphans, unlink
 
 
 def make_segment(pid: int, tag: str) -> str:
@@ -41,3 +41,17 @@ async def test_open_sweeps_segments_of_dead_processes_only(root):
         live.wait()
         for name in [*orphans, kept]:
             unlink(name)
+
+
+def test_the_sweep_can_be_turned_off(monkeypatch):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = make_segment(dead.pid, "sweepoff")
+    try:
+        monkeypatch.setenv("AIOCKPT_NO_SHM_SWEEP", "1")
+        assert sweep_orphans() == {}
+        assert orphan[1:] in os.listdir("/dev/shm")
+        monkeypatch.delenv("AIOCKPT_NO_SHM_SWEEP")
+        assert orphan in sweep_orphans()
+    finally:
+        unlink(orphan)

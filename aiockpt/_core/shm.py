@@ -91,7 +91,13 @@ def sweep_orphans() -> dict[str, int]:
     is unlinked. A live process's segments, this one's and any other's, are never touched (a
     pid that was reused counts as live: the segment stays, which is safe). Unlinking only
     removes the name: a daemon still finishing a dead trainer's save keeps its mapping.
+
+    Pids are this process's pid namespace's: where containers share one /dev/shm but not their
+    pid namespace, a neighbour's pids look dead, so only segments owned by this user are swept
+    and the sweep can be turned off with ``AIOCKPT_NO_SHM_SWEEP=1``.
     """
+    if os.environ.get("AIOCKPT_NO_SHM_SWEEP") == "1":
+        return {}
     try:
         names = os.listdir("/dev/shm")
     except OSError:
@@ -105,8 +111,10 @@ def sweep_orphans() -> dict[str, int]:
         pid = int(pid_text)
         if pid != os.getpid() and not _alive(pid):
             with contextlib.suppress(OSError):
-                swept[f"/{name}"] = os.stat(f"/dev/shm/{name}").st_size
-                unlink(f"/{name}")
+                st = os.stat(f"/dev/shm/{name}")
+                if st.st_uid == os.getuid():
+                    unlink(f"/{name}")
+                    swept[f"/{name}"] = st.st_size
     return swept
 
 
