@@ -21,6 +21,7 @@ Every error derives from :class:`CheckpointError` and from the built-in it resem
 from __future__ import annotations
 
 __all__ = [
+    "CALLER_ERRORS",
     "CheckpointError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
@@ -135,3 +136,15 @@ class StateChangedError(CheckpointError, RuntimeError):
 
 class ManagerClosedError(CheckpointError, RuntimeError):
     """The manager is not open: used before ``async with`` or after it closed."""
+
+
+#: Mistakes of the caller's (a value that cannot be saved, a step taken, a target that does not
+#: fit, a closed manager): the exception raised to the caller is the report, so their
+#: ``*.exception`` events are logged at DEBUG, not ERROR.
+CALLER_ERRORS: tuple[type[CheckpointError], ...] = (
+    UnsupportedValueError,
+    InvalidStepError,
+    LoadMismatchError,
+    CheckpointNotFoundError,
+    ManagerClosedError,
+)

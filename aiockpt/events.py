@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field, fields
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
-from .errors import CheckpointError
+from .errors import CALLER_ERRORS, CheckpointError
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -274,9 +274,23 @@ class EventDispatcher:
             self.emit(f"{op}.exception", uuid=uuid, step=step, error=err)
 
 
+def _caller_error_types() -> frozenset[str]:
+    """The qualified names of the caller's errors and of every subclass of them in aiockpt."""
+    names, stack = set(), list(CALLER_ERRORS)
+    while stack:
+        cls = stack.pop()
+        names.add(f"{cls.__module__}.{cls.__qualname__}")
+        stack.extend(cls.__subclasses__())
+    return frozenset(names)
+
+
+_CALLER_ERROR_TYPES = _caller_error_types()
+
+
 def _log(event: Event) -> None:
     if event.name.endswith(".exception"):
-        level = logging.ERROR
+        caller = event.error is not None and event.error.get("type") in _CALLER_ERROR_TYPES
+        level = logging.DEBUG if caller else logging.ERROR
     elif event.name == "daemon.restart":
         level = logging.WARNING  # a daemon died and was replaced
     elif event.name in _INFO_EVENTS:
