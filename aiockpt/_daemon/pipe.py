@@ -1,13 +1,12 @@
-"""The daemon's end of the pipe to its trainer, and how errors travel up it."""
+"""What the daemon sends up the pipe to its trainer, and how errors travel up it."""
 
 from __future__ import annotations
 
-import threading
 import time
 import traceback
-from multiprocessing.connection import Connection
 from typing import Any
 
+from .._core.pipe import PipeEnd
 from .._core.protocol import EventMsg
 from ..errors import CheckpointError
 
@@ -23,23 +22,6 @@ def remote_error(exc: BaseException) -> BaseException:
     err.__traceback__ = None
     err.__cause__ = err.__context__ = None
     return err
-
-
-class PipeEnd:
-    """The daemon's end of the pipe: ``send`` from any thread, ``recv`` from the main one."""
-
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
-        self._lock = threading.Lock()
-
-    def send(self, msg: object) -> None:
-        """Send one message whole, even with other threads sending too."""
-        with self._lock:
-            self.conn.send(msg)
-
-    def recv(self) -> object:
-        """The next message from the trainer."""
-        return self.conn.recv()
 
 
 class Outbox:

@@ -23,6 +23,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from .._core.catalog import Catalog
+from .._core.pipe import PipeEnd
 from .._core.protocol import (
     CollectPartialsReq,
     Hello,
@@ -43,7 +44,7 @@ from .._core.protocol import (
 from .._core.shm import trainer_segments, unlink
 from ..storage import Storage, open_storage
 from .coord import Coordinator
-from .pipe import Outbox, PipeEnd, remote_error
+from .pipe import Outbox, remote_error
 from .prune import Pruner
 from .reader import Reader
 from .shared import InFlight, Slabs

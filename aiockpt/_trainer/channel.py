@@ -2,30 +2,23 @@
 
 from __future__ import annotations
 
-import threading
-from multiprocessing.connection import Connection
-
 import anyio
+
+from .._core.pipe import PipeEnd
 
 
 class Channel:
-    """One end of the pipe: thread-safe ``send``, awaitable ``recv`` (asyncio and trio)."""
+    """The trainer's end of the pipe: :class:`PipeEnd`'s ``send`` and ``close``, and a ``recv``
+    that awaits the pipe instead of blocking the event loop (asyncio and trio)."""
 
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
-        self._send_lock = threading.Lock()
-
-    def send(self, msg: object) -> None:
-        """Pickle ``msg`` into the pipe; safe from any thread."""
-        with self._send_lock:
-            self.conn.send(msg)
+    def __init__(self, end: PipeEnd) -> None:
+        self.end = end
+        self.send = end.send
+        self.close = end.close
 
     async def recv(self) -> object:
         """The next message. Raises EOFError once the other end is gone."""
-        while not self.conn.poll():
-            await anyio.wait_readable(self.conn.fileno())
-        return self.conn.recv()
-
-    def close(self) -> None:
-        """Close this end: the other sees EOF once it has read what was sent."""
-        self.conn.close()
+        conn = self.end.conn
+        while not conn.poll():
+            await anyio.wait_readable(conn.fileno())
+        return conn.recv()

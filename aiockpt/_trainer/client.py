@@ -21,6 +21,7 @@ from typing import Any, Protocol, overload
 
 import anyio
 
+from .._core.pipe import PipeEnd
 from .._core.protocol import (
     CollectPartialsReq,
     EventMsg,
@@ -167,7 +168,7 @@ class SubprocessClient:
             stdin=subprocess.DEVNULL,
         )
         child.close()  # else EOF never arrives when the daemon dies
-        chan = Channel(parent)
+        chan = Channel(PipeEnd(parent))
         try:
             chan.send(hello)
             with anyio.fail_after(start_timeout):
