@@ -118,7 +118,7 @@ SCENARIOS = {f.__name__: f for f in (save_load, kill_daemon, mismatch, replicate
 
 
 def main() -> None:
-    scenario, rank, world, store, root, out = sys.argv[1:]
+    scenario, rank, world, store, root, out = sys.argv[1:7]
     rank, world = int(rank), int(world)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:

@@ -9,31 +9,14 @@ import sys
 
 import pytest
 import torch
+from _support.ranks import run_ranks as _run_ranks
 
 from aiockpt import AsyncCheckpointManager
 from aiockpt.errors import CheckpointError
 
-WORKER = os.path.join(os.path.dirname(__file__), "_dist_worker.py")
-
 
 def run_ranks(scenario: str, world: int, tmp_path, root: str, timeout: float = 150) -> list[dict]:
-    store = tmp_path / f"store-{scenario}"
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    procs, outs = [], []
-    for rank in range(world):
-        out = tmp_path / f"{scenario}-{rank}.json"
-        outs.append(out)
-        cmd = [sys.executable, WORKER, scenario, str(rank), str(world), str(store), root, str(out)]
-        procs.append(subprocess.Popen(cmd, env=env))
-    try:
-        codes = [p.wait(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert codes == [0] * world, f"rank exit codes {codes}"
-    return [json.loads(o.read_text()) for o in outs]
+    return _run_ranks("_dist_worker.py", scenario, world, tmp_path, root, timeout)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -142,7 +142,8 @@ def test_check_tree_accepts_what_flatten_builds():
     [
         ([], "node []"),
         ({"V": 1, "T": "w"}, "node "),
-        ({"X": 1}, "unknown tag 'X'"),
+        ({"Q": 1}, "unknown tag 'Q'"),
+        ({"X": "w"}, "reference to unknown distributed tensor 'w'"),
         ({"T": "missing"}, "reference to unknown tensor 'missing'"),
         ({"T": ["w"]}, "reference to unknown tensor"),
         ({"D": {}}, "dict body is not a list"),

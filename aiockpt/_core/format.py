@@ -1,4 +1,4 @@
-"""On-disk format version 1: names, the safetensors shard header, the manifest and its validation.
+"""The on-disk format (versions 1 and 2): names, shard header, manifest and its validation.
 
 Everything read back from storage is untrusted: :func:`parse_manifest` and :func:`parse_header`
 check every field before a byte range is used. This module imports neither torch nor fsspec, so
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CorruptCheckpointError
+from .dtable import BLOCK_BYTES, DTensorRecord, parse_dtensors
 from .dtypes import DTYPE_SIZES as DTYPE_SIZES
 from .gc import no_gc
 from .tree import MAX_TREE_DEPTH as MAX_TREE_DEPTH
@@ -24,13 +25,22 @@ from .tree import bounded_repr as _short
 from .tree import check_tree as check_tree
 
 FORMAT = "aiockpt"
+#: The version a checkpoint without distributed tensors is written as: exactly version 1, so
+#: readers of version 1 keep reading it.
 VERSION = 1
+#: The version of a checkpoint with distributed tensors (its ``dtensors`` table and "X" tree
+#: nodes); a version-1 reader refuses it by its version.
+DTENSOR_VERSION = 2
+VERSIONS = (VERSION, DTENSOR_VERSION)
 MANIFEST = "manifest.json"
 #: The data section of a shard starts on this boundary, so the slab can be written with O_DIRECT.
 ALIGN = 4096
 #: A header larger than this is refused before it is read (20k tensors need about 2 MiB).
 MAX_HEADER_BYTES = 256 * 1024 * 1024
 MAX_NDIM = 64
+#: The name of the padding tensor that keeps the first DTensor chunk of a shard aligned when
+#: the plain tensors before it end off its item size: a NUL never appears in a key path.
+PAD_NAME = "\x00pad"
 #: Deepest nesting of JSON in a manifest's metadata: it is pickled to the trainer on load, so
 #: it is bounded like a state tree (see tree.MAX_TREE_DEPTH).
 MAX_METADATA_DEPTH = 64
@@ -229,6 +239,11 @@ class Manifest:
     trees: dict[int, Any]
     metrics: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
+    #: The distributed tensors by name (format version 2; empty in version 1).
+    dtensors: dict[str, DTensorRecord] = field(default_factory=dict)
+    version: int = VERSION
+    #: The block size of the chunks' block checksums (version 2).
+    block_bytes: int = BLOCK_BYTES
 
     @property
     def nbytes(self) -> int:
@@ -253,12 +268,14 @@ def manifest_json(
     trees_json: str,
     metrics: dict[str, Any],
     metadata: dict[str, Any],
+    dtensors_json: str | None = None,
 ) -> bytes:
-    """The manifest text. ``tensors_json`` and ``trees_json`` come pre-encoded (large, cached)."""
+    """The manifest text. ``tensors_json``, ``trees_json`` and ``dtensors_json`` (the table
+    of distributed tensors, None when there are none) come pre-encoded (large, cached)."""
     head = json.dumps(
         {
             "format": FORMAT,
-            "version": VERSION,
+            "version": VERSION if dtensors_json is None else DTENSOR_VERSION,
             "step": step,
             "created_at": created_at,
             "world_size": world_size,
@@ -271,7 +288,10 @@ def manifest_json(
         ensure_ascii=False,
     )
     # Splice the big members in as text: json.dumps of 20k tensor entries each save is the cost.
-    return (head[:-1] + ',"tensors":' + tensors_json + ',"trees":' + trees_json + "}").encode()
+    text = head[:-1] + ',"tensors":' + tensors_json + ',"trees":' + trees_json
+    if dtensors_json is not None:
+        text += f',"block_bytes":{BLOCK_BYTES},"dtensors":' + dtensors_json
+    return (text + "}").encode()
 
 
 def _decode_manifest(data: bytes, path: str) -> tuple[dict[str, Any], Callable[[str], Exception]]:
@@ -294,8 +314,11 @@ def _manifest_head(
     if raw.get("format") != FORMAT:
         raise bad(f"not an aiockpt manifest (format {_short(raw.get('format'))})")
     version = raw.get("version")
-    if type(version) is not int or version != VERSION:  # not True or 1.0, which equal 1
-        raise bad(f"unsupported format version {_short(version)}")
+    if type(version) is not int or version not in VERSIONS:  # not True or 1.0, which equal 1
+        raise bad(
+            f"unsupported format version {_short(version)} (this aiockpt reads versions "
+            f"{', '.join(map(str, VERSIONS))}; a newer aiockpt wrote it?)"
+        )
     m_step = raw.get("step")
     if type(m_step) is not int or m_step < 0 or (step is not None and m_step != step):
         raise bad(f"manifest step {_short(m_step)} does not match its directory")
@@ -377,13 +400,23 @@ def parse_manifest(data: bytes, *, path: str, step: int | None = None) -> Manife
     if not isinstance(trees_raw, dict) or set(trees_raw) != {str(s.rank) for s in shards}:
         raise bad("trees must map each rank to its state tree")
     trees = {int(r): t for r, t in trees_raw.items()}
+    version = raw["version"]
+    dtensors: dict[str, DTensorRecord] = {}
+    block: Any = BLOCK_BYTES
+    if version >= DTENSOR_VERSION:
+        block = raw.get("block_bytes")  # checked by parse_dtensors
+        dtensors = parse_dtensors(raw.get("dtensors"), tensors, block, path=path)
+    elif "dtensors" in raw:
+        raise bad("a version 1 manifest has no dtensors")
     metadata = raw.get("metadata", {})
     if not isinstance(metadata, dict):
         raise bad("metrics and metadata must be objects")
     if _json_depth(metadata) > MAX_METADATA_DEPTH:
         # It is pickled to the trainer on load; too deep a value would fail there instead.
         raise bad(f"metadata nested deeper than {MAX_METADATA_DEPTH} levels")
-    return Manifest(m_step, created, world, shards, tensors, trees, metrics, metadata)
+    return Manifest(
+        m_step, created, world, shards, tensors, trees, metrics, metadata, dtensors, version, block
+    )
 
 
 def tensors_json_parts(specs: list[TensorSpec], data_start: int) -> list[str]:

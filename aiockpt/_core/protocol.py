@@ -25,13 +25,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: Bumped on any change to these messages; checked by both ends in the handshake.
-PROTOCOL = 2
+PROTOCOL = 3
 
 #: How a loaded tensor lies in shared memory: (safetensors dtype, shape, byte offset).
 TensorAt = tuple[str, tuple[int, ...], int]
 #: A shard layout entry: (name, safetensors dtype, shape, start, end), offsets relative to the
 #: data section.
 LayoutEntry = tuple[str, str, tuple[int, ...], int, int]
+#: A box of a global tensor: (offsets, sizes).
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+#: A DTensor of a layout: (name, safetensors dtype, global shape, placements as text, mesh
+#: shape, the box of the chunk this rank writes under ``name`` or None when it writes none).
+DTensorEntry = tuple[str, str, tuple[int, ...], tuple[str, ...], tuple[int, ...], Box | None]
+#: What a load wants of a distributed tensor it restores into: the target's safetensors dtype,
+#: global shape, and the box this rank holds of it (None: it holds none).
+Wanted = tuple[str, tuple[int, ...], Box | None]
 
 
 class ProtocolMismatch(Exception):
@@ -98,6 +106,8 @@ class LayoutMsg:
     file_size: int
     #: The tensors in file order.
     specs: tuple[LayoutEntry, ...]
+    #: The DTensors of the state, in tree order.
+    dtensors: tuple[DTensorEntry, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +184,9 @@ class LoadReq(ReadReq):
     rank: int
     world_size: int
     slab: SlabRef | None = None
+    #: Per distributed tensor restored into a DTensor, what that target wants; every other
+    #: saved distributed tensor is read whole.
+    wanted: dict[str, Wanted] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +204,9 @@ class LoadReply:
     created_at: float
     nbytes: int
     url: str
+    #: Bytes read from storage for distributed tensors, and bytes of them used.
+    dtensor_read: int = 0
+    dtensor_used: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,8 @@
 The tree keeps the state's exact nesting, one tagged node (a one-member object) per value:
 
     {"T": name}              TENSOR: a tensor, stored in the shard under ``name``
+    {"X": name}              DTENSOR: a distributed tensor, the entry ``name`` of the
+                             manifest's ``dtensors`` table (format version 2)
     {"D": [[key, node], …]}  DICT: a dict; keys are str or int (optimizers key state by int)
     {"L": [node, …]}         LIST: a list
     {"U": [node, …]}         TUPLE: a tuple
@@ -39,6 +41,7 @@ from .gc import no_gc
 
 #: The tags of the nodes, as the table above describes them.
 TENSOR: Final = "T"
+DTENSOR: Final = "X"
 DICT: Final = "D"
 LIST: Final = "L"
 TUPLE: Final = "U"
@@ -76,14 +79,19 @@ _EMPTY = {DICT: "{}", LIST: "[]", TUPLE: "()"}
 
 
 def walk(
-    tree: Any, *, paths: bool = True, tensor_names: set[str] | None = None
+    tree: Any,
+    *,
+    paths: bool = True,
+    tensor_names: set[str] | None = None,
+    dtensor_names: set[str] | None = None,
 ) -> Iterator[tuple[str, str, Any, int]]:
     """Every node of ``tree``, parents first, in tree order: (key path, tag, body, depth).
 
     Iterative, since an untrusted tree may nest deep enough to overflow a recursive walk. Each
     node is checked before it is yielded, and :class:`MalformedTree` raised at the first that
     is not a one-member object with a known tag, nests deeper than MAX_TREE_DEPTH, has a body
-    its tag does not allow, or (given ``tensor_names``) names a tensor not among them. A
+    its tag does not allow, or names a tensor not among ``tensor_names`` (when given; a
+    distributed tensor: not among ``dtensor_names``, none when not given). A
     stateful object's node has the same path as its state dict. With ``paths`` False every
     path is "" (validation needs none, and at 20k tensors building them costs).
     """
@@ -101,6 +109,11 @@ def walk(
             # isinstance first: a list or dict body is unhashable and `in` would raise.
             if tensor_names is not None and (not isinstance(body, str) or body not in tensor_names):
                 raise MalformedTree(f"reference to unknown tensor {bounded_repr(body)}")
+            yield path, tag, body, depth
+            continue
+        if tag == DTENSOR:
+            if dtensor_names is None or not isinstance(body, str) or body not in dtensor_names:
+                raise MalformedTree(f"reference to unknown distributed tensor {bounded_repr(body)}")
             yield path, tag, body, depth
             continue
         # A container's children are pushed last first, so that they pop in tree order, and
@@ -144,14 +157,18 @@ def walk(
 
 
 @no_gc
-def check_tree(tree: Any, tensor_names: set[str], *, path: str) -> None:
-    """Validate an untrusted tree from a manifest; every tensor reference must exist.
+def check_tree(
+    tree: Any, tensor_names: set[str], *, path: str, dtensor_names: set[str] | None = None
+) -> None:
+    """Validate an untrusted tree from a manifest; every tensor reference must exist (a
+    distributed tensor's among ``dtensor_names``; without them the tree may hold none).
 
     Raises :class:`CorruptCheckpointError` naming ``path``.
     """
     try:
         # Drained in C: at 20k tensors a Python loop over the nodes cost a fifth more.
-        collections.deque(walk(tree, paths=False, tensor_names=tensor_names), maxlen=0)
+        nodes = walk(tree, paths=False, tensor_names=tensor_names, dtensor_names=dtensor_names)
+        collections.deque(nodes, maxlen=0)
     except MalformedTree as e:
         raise CorruptCheckpointError(f"{path}: malformed tree: {e}", path=path) from None
 
@@ -162,8 +179,8 @@ def plain_values(tree: Any) -> Iterator[tuple[str, str]]:
     A value shows as its JSON text, a non-finite float as its NON_FINITE string, an empty
     container below the root as ``{}``, ``[]`` or ``()``; the root's path shows as ``<root>``.
     """
-    for path, tag, body, _ in walk(tree):
-        if tag == TENSOR:
+    for path, tag, body, _ in walk(tree, dtensor_names=_ANY):
+        if tag in (TENSOR, DTENSOR):
             continue
         if tag == VALUE:
             yield path or "<root>", json.dumps(body, ensure_ascii=False)
@@ -171,6 +188,28 @@ def plain_values(tree: Any) -> Iterator[tuple[str, str]]:
             yield path or "<root>", body
         elif tag in _EMPTY and not body and path:
             yield path, _EMPTY[tag]
+
+
+class _Anything(set):
+    """Contains every name: a checked tree's references need no second check."""
+
+    def __contains__(self, item: object) -> bool:
+        return True
+
+
+_ANY = _Anything()
+
+
+def tensor_references(tree: Any) -> tuple[set[str], set[str]]:
+    """The names a checked tree refers to: (tensors, distributed tensors)."""
+    tensors: set[str] = set()
+    dtensors: set[str] = set()
+    for _, tag, body, _ in walk(tree, paths=False, dtensor_names=_ANY):
+        if tag == TENSOR:
+            tensors.add(body)
+        elif tag == DTENSOR:
+            dtensors.add(body)
+    return tensors, dtensors
 
 
 def bounded_repr(value: Any) -> str:

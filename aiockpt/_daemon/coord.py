@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .._core import dtable
 from .._core import format as fmt
 from ..errors import DistributedSaveError
 
@@ -34,21 +35,31 @@ class Part:
     shard: dict[str, Any]
     tensors_json: str
     tree_json: str
+    #: This rank's entries of the distributed-tensor table (dtable.rank_json), "" for none.
+    dtensors_json: str = ""
 
     def encode(self) -> bytes:
-        """The part file's bytes: a JSON head, then the two JSON texts as they are."""
+        """The part file's bytes: a JSON head, then the three JSON texts as they are."""
         head = json.dumps(
-            {"rank": self.rank, "shard": self.shard, "tensors": len(self.tensors_json)}
+            {
+                "rank": self.rank,
+                "shard": self.shard,
+                "tensors": len(self.tensors_json),
+                "tree": len(self.tree_json),
+            }
         )
-        return "\n".join((head, self.tensors_json, self.tree_json)).encode()
+        return "\n".join((head, self.tensors_json, self.tree_json, self.dtensors_json)).encode()
 
     @classmethod
     def decode(cls, data: bytes) -> Part:
         """The part that :meth:`encode` wrote as ``data``."""
         head_text, rest = data.decode().split("\n", 1)
         head = json.loads(head_text)
-        n = head["tensors"]
-        return cls(head["rank"], head["shard"], rest[:n], rest[n + 1 :])
+        n, t = head["tensors"], head["tree"]
+        tree_end = n + 1 + t
+        return cls(
+            head["rank"], head["shard"], rest[:n], rest[n + 1 : tree_end], rest[tree_end + 1 :]
+        )
 
 
 def part_name(uuid: str, rank: int) -> str:
@@ -79,10 +90,12 @@ def merge(
     metrics: dict[str, Any],
     metadata: dict[str, Any],
 ) -> bytes:
-    """The manifest of all ranks' parts: string splicing, linear in the number of ranks."""
+    """The manifest of all ranks' parts: string splicing, linear in the number of ranks, and
+    the merge of their distributed-tensor entries (raises dtable.Disagreement)."""
     parts = sorted(parts, key=lambda p: p.rank)
     tensors = ",".join(f"{json.dumps(p.shard['file'])}:{p.tensors_json}" for p in parts)
     trees = ",".join(f'"{p.rank}":{p.tree_json}' for p in parts)
+    dtensors = dtable.merge([(p.shard["file"], p.dtensors_json) for p in parts])
     return fmt.manifest_json(
         step=step,
         created_at=created_at,
@@ -92,6 +105,7 @@ def merge(
         trees_json="{" + trees + "}",
         metrics=metrics,
         metadata=metadata,
+        dtensors_json=dtensors,
     )
 
 
@@ -134,9 +148,14 @@ class Coordinator:
             return self._await_commit(step, uuid, deadline)
         parts = self._gather(step, uuid, deadline)
         created_at = time.time()
-        manifest = merge(
-            [part, *parts], step=step, created_at=created_at, metrics=metrics, metadata=metadata
-        )
+        try:
+            manifest = merge(
+                [part, *parts], step=step, created_at=created_at, metrics=metrics, metadata=metadata
+            )
+        except dtable.Disagreement as e:
+            ranks = list(range(self.world_size))
+            self.abort(step, uuid, ranks, f"step {step}: {e}")
+            raise DistributedSaveError(f"step {step}: {e}", ranks=ranks) from None
         self.storage.put_atomic(f"{step_dir}/{fmt.MANIFEST}", manifest)
         for r in range(1, self.world_size):
             self.storage.delete(f"{step_dir}/{part_name(uuid, r)}")

@@ -13,10 +13,13 @@ import crc32c
 
 from .._core import format as fmt
 from .._core.catalog import Catalog
+from .._core.chunks import Chunk
 from .._core.gc import no_gc
-from .._core.protocol import LoadReply, SlabRef
+from .._core.protocol import LoadReply, SlabRef, Wanted
 from .._core.shm import Segment, unlink
+from .._core.tree import tensor_references
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from .reshard import Assembler, out_offsets, wanted_box
 from .shared import Slabs
 
 #: Loads read this much at a time, checksumming what was read while the next chunk comes.
@@ -27,12 +30,14 @@ Tensors = list[tuple[str, fmt.TensorRecord]]
 
 
 def check_replicated(m: fmt.Manifest, world_size: int) -> None:
-    """On another world size only state that every rank saved identically can be loaded."""
+    """On another world size only state that every rank saved identically can be loaded;
+    distributed tensors are resharded, so their chunks need not be."""
     first = m.tensors[m.shard_of(0).file]
     differ = sorted(
         name
         for name, r in first.items()
-        if any(
+        if name not in m.dtensors
+        and any(
             (o := others.get(name)) is None
             or (o.crc32c, o.dtype, o.shape) != (r.crc32c, r.dtype, r.shape)
             for others in m.tensors.values()
@@ -43,7 +48,8 @@ def check_replicated(m: fmt.Manifest, world_size: int) -> None:
         raise CheckpointError(
             f"step {m.step} was saved by {m.world_size} ranks and cannot be loaded by "
             f"{world_size}: these tensors differ between ranks (only state every rank saved "
-            f"identically, such as DDP-replicated weights, can be): {shown}"
+            f"identically, such as DDP-replicated weights, and distributed tensors (DTensor), "
+            f"which are resharded, can be): {shown}"
         )
 
 
@@ -81,10 +87,12 @@ class Reader:
         rank: int,
         world_size: int = 1,
         slab: SlabRef | None = None,
+        wanted: dict[str, Wanted] | None = None,
     ) -> LoadReply:
         """Read and verify a rank's tensors of ``step`` (the latest when None) into shared
         memory: into the trainer's ``slab`` when given and large enough, else into a new
-        segment the trainer takes over."""
+        segment the trainer takes over. Distributed tensors come after the rank's plain
+        tensors: the box of each that ``wanted`` names, the whole of the others."""
         step = self._committed(step)
         m = self.catalog.read_manifest(step)
         if m.world_size != world_size:
@@ -92,17 +100,29 @@ class Reader:
             check_replicated(m, world_size)
         path, records = self._shard_of(m, step, rank)
         where = self.catalog.where(path)
-        fmt.check_tree(m.trees[rank], set(records), path=where)
+        tree = m.trees[rank]
+        fmt.check_tree(tree, set(records), path=where, dtensor_names=set(m.dtensors))
+        boxes: list[tuple[str, str, Chunk]] = []
+        if m.dtensors:
+            plain, distributed = tensor_references(tree)
+            records = {name: records[name] for name in plain}
+            for name in sorted(distributed):
+                rec = m.dtensors[name]
+                box = wanted_box(rec, (wanted or {}).get(name))
+                if box is not None:
+                    boxes.append((name, rec.dtype, box))
         lo = min((r.start for r in records.values()), default=0)
         hi = max((r.end for r in records.values()), default=0)
-        pooled = slab is not None and slab.size >= hi - lo
+        out_at, size = out_offsets(hi - lo, boxes)
+        pooled = slab is not None and slab.size >= size
         if slab is not None and pooled:
             seg = self.slabs.get(slab.name, slab.size)
         else:
-            seg = Segment.create(hi - lo, kind="load", populate=False)
+            seg = Segment.create(size, kind="load", populate=False)
             self.load_segments.add(seg.name)
         try:
             self._read_verified(seg, path, records, lo, hi, where)
+            assembled = self._assemble(m, step, boxes, out_at, seg)
         except BaseException:
             if not pooled:
                 seg.close()
@@ -111,18 +131,56 @@ class Reader:
             raise
         if not pooled:
             seg.close()  # the trainer maps it and takes it over
+        tensors = {name: (r.dtype, r.shape, r.start - lo) for name, r in records.items()}
+        for name, dtype, box in boxes:
+            tensors[name] = (dtype, box.sizes, out_at[name])
         return LoadReply(
             step=step,
             segment=None if pooled else seg.name,
-            size=hi - lo,
-            tensors={name: (r.dtype, r.shape, r.start - lo) for name, r in records.items()},
-            tree=m.trees[rank],
+            size=size,
+            tensors=tensors,
+            tree=tree,
             metrics=m.metrics,
             metadata=m.metadata,
             created_at=m.created_at,
             nbytes=m.nbytes,
             url=self.catalog.where(fmt.step_dirname(step)),
+            dtensor_read=assembled.read_bytes if assembled else 0,
+            dtensor_used=assembled.used_bytes if assembled else 0,
         )
+
+    def _assemble(
+        self,
+        m: fmt.Manifest,
+        step: int,
+        boxes: list[tuple[str, str, Chunk]],
+        out_at: dict[str, int],
+        seg: Segment,
+    ) -> Assembler | None:
+        """Fill each wanted box of a distributed tensor into ``seg`` at ``out_at``."""
+        if not boxes:
+            return None
+        checked: set[str] = set()
+
+        def read(shard: str, offset: int, out: memoryview) -> None:
+            if shard not in checked:
+                rank = next(s.rank for s in m.shards if s.file == shard)
+                self._shard_of(m, step, rank)  # there, at its size
+                checked.add(shard)
+            self.storage.readinto(f"{fmt.step_dirname(step)}/{shard}", offset, out)
+
+        def where(shard: str) -> str:
+            return self.catalog.where(f"{fmt.step_dirname(step)}/{shard}")
+
+        assembler = Assembler(read, self.pool, m.block_bytes, where)
+        try:
+            for name, dtype, box in boxes:
+                n = box.numel * fmt.DTYPE_SIZES[dtype]
+                with seg.buf[out_at[name] : out_at[name] + n] as out:
+                    assembler.fill(m.dtensors[name], box, out)
+        finally:
+            assembler.wait()
+        return assembler
 
     def _committed(self, step: int | None) -> int:
         """``step``, or the latest when None, once it is known to be committed."""

@@ -109,7 +109,7 @@ class Daemon:
         return handler(req)
 
     def _load(self, req: LoadReq) -> LoadReply:
-        return self.reader.load(req.step, req.rank, req.world_size, req.slab)
+        return self.reader.load(req.step, req.rank, req.world_size, req.slab, req.wanted)
 
     def _steps(self, req: StepsReq) -> tuple[int, ...]:
         return tuple(self.catalog.committed_steps())

@@ -14,8 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import crc32c
 
+from .._core import dtable
 from .._core import format as fmt
 from .._core.catalog import Catalog, manifest_path
+from .._core.chunks import Chunk
 from .._core.protocol import CheckpointInfo, Hello, LayoutMsg, SaveDone, SaveReq, SlabFree
 from .._core.shm import Segment
 from ..errors import DistributedSaveError, StepExistsError
@@ -31,8 +33,16 @@ class Layout:
 
     def __init__(self, msg: LayoutMsg) -> None:
         self.msg = msg
-        self.specs = [fmt.TensorSpec(*s) for s in msg.specs]
+        # The padding before the first DTensor chunk is in the file, not in the manifest.
+        self.specs = [fmt.TensorSpec(*s) for s in msg.specs if s[0] != fmt.PAD_NAME]
         self._json_parts: list[str] | None = None
+        self.dtensors = [
+            dtable.RankEntry(n, d, shape, pl, mesh, None if box is None else Chunk(*box))
+            for n, d, shape, pl, mesh, box in msg.dtensors
+        ]
+        #: The specs of the DTensor chunks this rank writes.
+        written = {e.name for e in self.dtensors if e.chunk is not None}
+        self.chunk_specs = [s for s in self.specs if s.name in written]
 
     def json_parts(self) -> list[str]:
         """The manifest text of the tensor entries, around the crcs each save fills in."""
@@ -41,13 +51,22 @@ class Layout:
         return self._json_parts
 
 
-def checksums(data: memoryview, layout: Layout) -> tuple[str, int]:
-    """The manifest's tensor entries with their crcs, and the shard's crc: computed while the
-    shard is written, so the commit only splices text."""
+def checksums(data: memoryview, layout: Layout) -> tuple[str, int, str]:
+    """The manifest's tensor entries with their crcs, the shard's crc, and this rank's
+    DTensor entries with their chunks' block crcs: computed while the shard is written, so
+    the commit only splices text."""
     base = layout.msg.data_start
     tensor_crcs = [crc32c.crc32c(data[base + s.start : base + s.end]) for s in layout.specs]
     shard_crc = crc32c.crc32c(data)
-    return fmt.tensors_json(layout.specs, base, tensor_crcs, layout.json_parts()), shard_crc
+    dtensors = ""
+    if layout.dtensors:
+        blocks = {
+            s.name: dtable.block_crcs(data[base + s.start : base + s.end])
+            for s in layout.chunk_specs
+        }
+        dtensors = dtable.rank_json(layout.dtensors, blocks)
+    tensors = fmt.tensors_json(layout.specs, base, tensor_crcs, layout.json_parts())
+    return tensors, shard_crc, dtensors
 
 
 class Writer:
@@ -92,7 +111,7 @@ class Writer:
                 raise StepExistsError(f"step {req.step} is already committed in {self.storage.url}")
             self.storage.makedirs(step_dir)
             created_dir = True
-            tensors, shard_crc = self._write_shard(step_dir, seg, layout)
+            tensors, shard_crc, dtensors = self._write_shard(step_dir, seg, layout)
             self.outbox.send(SlabFree(req.slab))
             slab_free = True
             written = time.monotonic()
@@ -101,7 +120,7 @@ class Writer:
             shard = {"file": self.shard, "rank": self.rank, "nbytes": nbytes, "crc32c": shard_crc}
             if self.coord is not None:
                 created_dir = False  # other ranks write here too: never removed by one of them
-            created_at = self._commit(req, Part(self.rank, shard, tensors, tree))
+            created_at = self._commit(req, Part(self.rank, shard, tensors, tree, dtensors))
             created_dir = False  # committed: never cleaned up as a partial
             self.pruner.committed(CheckpointRecord(req.step, created_at, dict(req.metrics)))
             self._event("save.committed", req, time.monotonic() - written, nbytes)
@@ -134,15 +153,15 @@ class Writer:
         self.slabs.forget(req.forget)
         return tree, layout
 
-    def _write_shard(self, step_dir: str, seg: Segment, layout: Layout) -> tuple[str, int]:
+    def _write_shard(self, step_dir: str, seg: Segment, layout: Layout) -> tuple[str, int, str]:
         """Write the slab's bytes as the shard, checksumming them meanwhile."""
         with seg.buf[: layout.msg.file_size] as data:
             crcs = self.pool.submit(checksums, data, layout)
             try:
                 self.storage.write_file(f"{step_dir}/{self.shard}", [data])
             finally:
-                tensors, shard_crc = crcs.result()  # never leave the view to a running thread
-        return tensors, shard_crc
+                result = crcs.result()  # never leave the view to a running thread
+        return result
 
     def _commit(self, req: SaveReq, part: Part) -> float:
         """Publish the manifest (with the other ranks' parts, on several); its commit time."""
@@ -153,7 +172,7 @@ class Writer:
         created_at = time.time()
         manifest = merge(
             [part], step=req.step, created_at=created_at, metrics=req.metrics, metadata=req.metadata
-        )
+        )  # one rank cannot disagree with itself: no dtable.Disagreement here
         self.storage.put_atomic(manifest_path(req.step), manifest)
         return created_at
 

@@ -41,6 +41,7 @@ from .._core.protocol import (
     StepRecord,
     StepsReq,
     Stop,
+    Wanted,
     check_protocol,
 )
 from ..errors import DaemonDiedError, DaemonStartError
@@ -115,6 +116,7 @@ class DaemonClient(Protocol):
         rank: int,
         world_size: int,
         slab: SlabRef | None = None,
+        wanted: dict[str, Wanted] | None = None,
     ) -> LoadReply: ...
     async def request(self, kind: type[ReadReq], **fields: Any) -> Any:
         """Send ``kind(id, **fields)`` and return its reply's value, or raise its error;

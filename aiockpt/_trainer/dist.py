@@ -7,10 +7,12 @@ from another thread could interleave with the trainer's own and hang both): one 
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import DistributedSaveError, InvalidStepError
+from ..errors import DistributedSaveError, InvalidStepError, UnsupportedValueError
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +22,8 @@ class Group:
     pg: Any
     rank: int
     world_size: int
+    #: The global ranks of the group's members, by group rank.
+    ranks: tuple[int, ...] = ()
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, by rank."""
@@ -54,29 +58,90 @@ def resolve_group(process_group: Any) -> Group | None:
     rank = dist.get_rank(pg)
     if rank < 0:
         raise ValueError("this process is not a member of the process_group given")
-    return Group(pg, rank, world)
+    return Group(pg, rank, world, tuple(dist.get_process_group_ranks(pg)))
 
 
-def agree(group: Group, step: Any, uuid: str, error: BaseException | None) -> str:
-    """Check every rank saves the same step without error; return the save's common uuid."""
-    mine = (step if isinstance(step, int) else repr(step), uuid, _describe(error))
+def agree(
+    group: Group,
+    step: Any,
+    uuid: str,
+    error: BaseException | None,
+    dtensors: Sequence[Any] = (),
+) -> str:
+    """Check every rank saves the same step without error, and the same DTensors (dtensor.Held)
+    where they hold them; return the save's common uuid."""
+    signature = _signature(dtensors) if error is None else None
+    mine = (step if isinstance(step, int) else repr(step), uuid, _describe(error), signature)
     everyone = group.all_gather(mine)
     if error is not None:
         raise error
-    failed = {r: why for r, (_, _, why) in enumerate(everyone) if why is not None}
+    failed = {r: why for r, (_, _, why, _) in enumerate(everyone) if why is not None}
     if failed:
         raise DistributedSaveError(
             f"the save of step {step} was refused on rank(s) {sorted(failed)}: "
             + "; ".join(f"rank {r}: {why}" for r, why in sorted(failed.items())),
             ranks=sorted(failed),
         )
-    steps = {r: s for r, (s, _, _) in enumerate(everyone)}
+    steps = {r: s for r, (s, _, _, _) in enumerate(everyone)}
     if len(set(steps.values())) != 1:
         raise InvalidStepError(
             "every rank must save the same step; got "
             + ", ".join(f"rank {r}: {s}" for r, s in steps.items())
         )
+    if len({sig for _, _, _, sig in everyone}) != 1:
+        # Rare, so only now the details: every rank learns the same offending key.
+        _refuse_disagreement(group, group.all_gather(_details(dtensors)))
     return everyone[0][1]
+
+
+def check_meshes(group: Group, dtensors: Sequence[Any]) -> None:
+    """Refuse a DTensor whose mesh holds ranks outside the manager's process group: its
+    chunks would be written by processes that are not saving this checkpoint."""
+    members = set(group.ranks)
+    for h in dtensors:
+        outside = sorted(set(h.mesh_ranks) - members)
+        if outside:
+            raise UnsupportedValueError(
+                h.name,
+                f"the DTensor's device mesh holds global ranks {outside}, which are not in "
+                f"the manager's process group (global ranks {sorted(members)})",
+            )
+
+
+def _signature(dtensors: Sequence[Any]) -> str:
+    """A digest of what a rank holds of its DTensors that every rank must agree on."""
+    text = repr([_fact(h) for h in dtensors])
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def _fact(h: Any) -> tuple:
+    return (h.name, str(h.tensor.dtype), h.shape, h.placements, h.mesh_ranks)
+
+
+def _details(dtensors: Sequence[Any]) -> dict[str, tuple]:
+    return {h.name: _fact(h)[1:] for h in dtensors}
+
+
+def _refuse_disagreement(group: Group, details: list[dict[str, tuple]]) -> None:
+    """Raise UnsupportedValueError naming the first key the ranks disagree on."""
+    names = sorted({name for d in details for name in d})
+    for name in names:
+        facts = {r: d.get(name) for r, d in enumerate(details)}
+        holders = {r for r, f in facts.items() if f is not None}
+        mesh = set(next(f for f in facts.values() if f is not None)[3])
+        expected = {r for r, g in enumerate(group.ranks) if g in mesh}
+        if len({f for f in facts.values() if f is not None}) > 1:
+            shown = "; ".join(
+                f"rank {r}: {f[0]}{list(f[1])} {list(f[2])}" for r, f in facts.items() if f
+            )
+            raise UnsupportedValueError(name, f"the ranks hold different DTensors here: {shown}")
+        if holders != expected:
+            raise UnsupportedValueError(
+                name,
+                f"a DTensor on ranks {sorted(holders)} but not on ranks "
+                f"{sorted(expected - holders)} of its mesh (a plain tensor or nothing there)",
+            )
+    raise UnsupportedValueError("", "the ranks hold different DTensors")
 
 
 def _describe(error: BaseException | None) -> str | None:

@@ -21,7 +21,9 @@ the full index list on the strided dims and refuses what is not one run.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._utils import (
@@ -34,8 +36,10 @@ from .._core.chunks import Chunk
 from ..errors import UnsupportedValueError
 
 __all__ = [
+    "Held",
     "check_placements",
     "chunk_at",
+    "describe",
     "global_shape",
     "is_writer",
     "local_chunk",
@@ -110,12 +114,13 @@ def is_writer(dt: DTensor) -> bool:
     return coordinate is not None and writes_at(coordinate, dt.placements)
 
 
-def check_placements(dt: DTensor, path: str) -> None:
+def check_placements(dt: DTensor, path: str) -> Chunk | None:
     """Refuse, with :class:`~aiockpt.errors.UnsupportedValueError` naming ``path``, a DTensor
     whose local piece cannot be saved as one chunk of the global tensor: a ``Partial``
     placement (its pieces are addends of a sum not yet reduced, not parts of the tensor), a
     placement type this module does not know, a ``_StridedShard`` piece that is not one box,
-    or a local tensor whose shape is not the one its placements give.
+    or a local tensor whose shape is not the one its placements give. Returns this rank's
+    chunk, None on a rank outside the mesh.
     """
     for mesh_dim, placement in enumerate(dt.placements):
         if isinstance(placement, Partial):
@@ -129,19 +134,79 @@ def check_placements(dt: DTensor, path: str) -> None:
             raise UnsupportedValueError(
                 path, f"a DTensor placement {placement!r} on mesh dim {mesh_dim} is not supported"
             )
-    if dt.device_mesh.get_coordinate() is None:
-        return  # this rank holds nothing of it, and saves nothing
     try:
-        chunk = local_chunk(dt)
+        chunk, _ = _held(dt.device_mesh, tuple(dt.placements), global_shape(dt))
     except ValueError as e:
         raise UnsupportedValueError(path, str(e)) from None
-    local = tuple(dt.to_local().shape)
+    if chunk is None:
+        return None  # this rank holds nothing of it, and saves nothing
+    local = tuple(dt._local_tensor.shape)
     if local != chunk.sizes:
         raise UnsupportedValueError(
             path,
             f"the DTensor's local tensor has shape {list(local)}, but its placements "
             f"{list(dt.placements)} give this rank a piece of shape {list(chunk.sizes)}",
         )
+    return chunk
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """A DTensor of a state, as this rank saves it or loads into it."""
+
+    name: str
+    tensor: DTensor
+    #: The global shape, and the placements and mesh shape (as text, for the manifest).
+    shape: tuple[int, ...]
+    placements: tuple[str, ...]
+    mesh: tuple[int, ...]
+    #: The global ranks of the mesh.
+    mesh_ranks: tuple[int, ...]
+    #: This rank's chunk; None on a rank outside the mesh.
+    chunk: Chunk | None
+    #: Whether this rank writes its chunk: it is the one writer of it (see writes_at), and
+    #: the chunk holds something.
+    writes: bool
+
+    @property
+    def key(self) -> tuple:
+        """What decides the shard layout and the manifest entry."""
+        return (self.shape, self.placements, self.mesh, self.chunk, self.writes)
+
+
+def describe(dt: DTensor, path: str) -> Held:
+    """What this rank saves of ``dt``, found at key path ``path``; refuses (with
+    :class:`~aiockpt.errors.UnsupportedValueError` naming ``path``) what check_placements
+    refuses."""
+    chunk = check_placements(dt, path)
+    mesh = dt.device_mesh
+    placements = tuple(dt.placements)
+    shape = global_shape(dt)
+    writes = chunk is not None and chunk.numel > 0 and _held(mesh, placements, shape)[1]
+    return Held(
+        path,
+        dt,
+        shape,
+        tuple(repr(p) for p in placements),
+        tuple(int(n) for n in mesh.shape),
+        _mesh_ranks(mesh),
+        chunk,
+        writes,
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _held(mesh: object, placements: tuple[Placement, ...], shape: tuple[int, ...]):
+    coordinate = mesh.get_coordinate()  # type: ignore[attr-defined]
+    if coordinate is None:
+        return None, False
+    chunk = chunk_at(shape, mesh.shape, coordinate, placements)  # type: ignore[attr-defined]
+    return chunk, writes_at(coordinate, placements)
+
+
+@functools.lru_cache(maxsize=256)
+def _mesh_ranks(mesh: object) -> tuple[int, ...]:
+    return tuple(int(r) for r in mesh.mesh.flatten().tolist())  # type: ignore[attr-defined]
 
 
 def _as_chunk(sizes: Sequence[int], offsets: Sequence[int]) -> Chunk:

@@ -17,15 +17,16 @@ import torch
 
 from .._core import format as fmt
 from .._core.gc import gc_paused, no_gc
-from .._core.protocol import LoadReply, SlabRef, TensorAt
+from .._core.protocol import LoadReply, SlabRef, TensorAt, Wanted
 from ..errors import CheckpointError, CorruptCheckpointError, InvalidStepError
 from .ledger import Emit
 from .staging import LayoutCache, SlabPool, copy_pairs
-from .state import ST_TO_TORCH, Flattener, StaleFlat, load_into, unflatten
+from .state import ST_TO_TORCH, TORCH_TO_ST, Flat, Flattener, StaleFlat, load_into, unflatten
 
-#: Asks the daemon for a load's bytes: ``read(step, slab)``, into the lent slab when one is
-#: given and large enough, else a fresh segment.
-Read = Callable[[int | None, SlabRef | None], Awaitable[LoadReply]]
+#: Asks the daemon for a load's bytes: ``read(step, slab, wanted)``, into the lent slab when
+#: one is given and large enough, else a fresh segment; ``wanted`` says which box of each
+#: distributed tensor restored into a DTensor is wanted (the others are read whole).
+Read = Callable[[int | None, SlabRef | None, dict[str, Wanted] | None], Awaitable[LoadReply]]
 
 
 class Loader:
@@ -49,7 +50,7 @@ class Loader:
             if step is not None:
                 _check_step(step)
             if into is None:
-                reply = await self._read(step, None)
+                reply = await self._read(step, None, None)
                 with gc_paused():  # 20k fresh views and containers: see gc_paused
                     result = unflatten(reply.tree, map_loaded(reply))
             else:
@@ -74,15 +75,28 @@ class Loader:
         into the targets is the only other pass over the bytes.
         """
         slab = None
+        init_optimizer_states(into)
+        flat: Flat | None = None
+        layout = None
         try:
-            layout = self._layouts.get(self._flattener.flatten(into, remember=False))
+            flat = self._flattener.flatten(into, remember=False)
+            layout = self._layouts.get(flat)
         except (CheckpointError, StaleFlat):
-            layout = None  # not a savable state: read into a fresh segment instead
+            pass  # not a savable state: read into a fresh segment instead
+        held = {h.name: h for h in flat.dtensors} if flat is not None else {}
+        wanted: dict[str, Wanted] = {
+            h.name: (
+                TORCH_TO_ST[h.tensor.dtype],
+                h.shape,
+                None if h.chunk is None else (h.chunk.offsets, h.chunk.sizes),
+            )
+            for h in held.values()
+        }
         if layout is not None:
             slab = await self._pool.acquire(layout.file_size, layout.id)
         try:
             reply = await self._read(
-                step, SlabRef(slab.name, slab.size) if slab is not None else None
+                step, SlabRef(slab.name, slab.size) if slab is not None else None, wanted or None
             )
             if reply.segment is None:
                 assert slab is not None
@@ -93,7 +107,7 @@ class Loader:
                 tensors, owned = map_loaded(reply), True
             result = await anyio.to_thread.run_sync(
                 functools.partial(
-                    load_into, into, reply.tree, tensors, owned=owned, copy=copy_pairs
+                    load_into, into, reply.tree, tensors, owned=owned, copy=copy_pairs, held=held
                 )
             )
             del tensors
@@ -101,6 +115,56 @@ class Loader:
             if slab is not None:
                 self._pool.release(slab.name)
         return reply, result
+
+
+def init_optimizer_states(into: Any) -> None:
+    """Give each optimizer in ``into`` (at the top or in its dicts and lists) whose parameters
+    include DTensors and whose state is still empty its state, as one step with zero
+    gradients and a learning rate of 0 would: restoring needs DTensor moments to restore
+    into (load_state_dict of a fresh optimizer would take the saved moments as plain tensors,
+    which FSDP2's step then refuses). An optimizer with state, or with gradients already, is
+    left alone."""
+    stack, seen = [into], set()
+    while stack:
+        value = stack.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, torch.optim.Optimizer):
+            _init_state(value)
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+
+
+def _init_state(opt: torch.optim.Optimizer) -> None:
+    from .state import _dtensor_type
+
+    dtensor_type = _dtensor_type()
+    params = [p for group in opt.param_groups for p in group["params"]]
+    if (
+        opt.state
+        or dtensor_type is None
+        or not any(isinstance(p, dtensor_type) for p in params)
+        or any(p.grad is not None for p in params)
+    ):
+        return
+    lrs = [group.get("lr") for group in opt.param_groups]
+    try:
+        for p in params:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        for group in opt.param_groups:
+            if "lr" in group:
+                lr = group["lr"]
+                group["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
+        opt.step()
+    finally:
+        for group, lr in zip(opt.param_groups, lrs, strict=True):
+            if lr is not None:
+                group["lr"] = lr
+        opt.zero_grad(set_to_none=True)
 
 
 def _check_step(step: Any) -> None:

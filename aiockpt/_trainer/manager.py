@@ -27,6 +27,7 @@ from .._core.protocol import (
     RecordsReq,
     SlabRef,
     StepsReq,
+    Wanted,
 )
 from .._core.shm import sweep_orphans
 from ..errors import DaemonError, ManagerClosedError
@@ -229,10 +230,17 @@ class AsyncCheckpointManager:
     def _emit(self, name: str, **fields: Any) -> None:
         self.events.emit(name, **fields)
 
-    async def _read(self, step: int | None, slab: SlabRef | None) -> LoadReply:
+    async def _read(
+        self, step: int | None, slab: SlabRef | None, wanted: dict[str, Wanted] | None
+    ) -> LoadReply:
         d = await self._daemons.live()
         return await d.request(
-            LoadReq, step=step, rank=self.rank, world_size=self.world_size, slab=slab
+            LoadReq,
+            step=step,
+            rank=self.rank,
+            world_size=self.world_size,
+            slab=slab,
+            wanted=wanted,
         )
 
     # ----------------------------------------------------------------- the API

@@ -55,17 +55,21 @@ class Saver:
         handle = SaveHandle(step if isinstance(step, int) else -1, uuid_mod.uuid4().hex)
         t0 = time.monotonic()
         refused: BaseException | None = None
+        dtensors: list[Any] = []
         try:  # all input is checked before anything is staged
             self._ledger.check_step(step)
             clean = clean_metrics(metrics), clean_metadata(metadata)
             flat = self._flattener.flatten(state)
+            dtensors = flat.dtensors
+            if group is not None and dtensors:
+                _dist.check_meshes(group, dtensors)
         except CheckpointError as e:
             refused = e
         if group is not None:
-            # Every rank learns of a refusal or a mismatched step on any rank, and all share
-            # rank 0's uuid, which names the save's coordination files.
+            # Every rank learns of a refusal, a mismatched step or mismatched DTensors on any
+            # rank, and all share rank 0's uuid, which names the save's coordination files.
             try:
-                handle.uuid = _dist.agree(group, step, handle.uuid, refused)
+                handle.uuid = _dist.agree(group, step, handle.uuid, refused, dtensors)
             except CheckpointError as e:
                 refused = e
         self._emit("save.start", uuid=handle.uuid, step=handle.step)

@@ -21,7 +21,7 @@ import anyio
 import torch
 
 from .._core import format as fmt
-from .._core.protocol import LayoutMsg
+from .._core.protocol import DTensorEntry, LayoutMsg
 from .._core.shm import POPULATES, Segment
 from .state import ST_TO_TORCH, TORCH_TO_ST, Flat, StaleFlat
 
@@ -41,6 +41,8 @@ class Layout:
     #: Each tensor's shape and torch dtype, in flatten order: what a copy checks sources against.
     shapes: tuple[torch.Size, ...]
     dtypes: tuple[torch.dtype, ...]
+    #: The state's DTensors, as the daemon is told of them.
+    dtensors: tuple[DTensorEntry, ...] = ()
 
     @property
     def data_start(self) -> int:
@@ -59,6 +61,7 @@ class Layout:
             self.data_start,
             self.file_size,
             tuple((s.name, s.dtype, s.shape, s.start, s.end) for s in self.specs),
+            self.dtensors,
         )
 
 
@@ -103,20 +106,41 @@ def make_layout(flat: Flat) -> Layout:
     ):
         raise StaleFlat
     sizes = [t.element_size() for t in tensors]
+    chunks = flat.chunk_names if flat.dtensors else frozenset()
+    names = flat.names
     # Descending item size keeps every tensor naturally aligned with no padding (safetensors
-    # allows no gaps); sorted() is stable, so equal sizes keep their tree order.
-    file_order = sorted(range(len(tensors)), key=lambda i: -sizes[i])
+    # allows no gaps); sorted() is stable, so equal sizes keep their tree order. DTensor
+    # chunks come after the plain tensors, so that a load reads the plain ones in one range
+    # and each chunk only where it needs it.
+    file_order = sorted(range(len(tensors)), key=lambda i: (names[i] in chunks, -sizes[i]))
     specs = []
     pos = 0
     where = [0] * len(tensors)
-    for j, i in enumerate(file_order):
+    for i in file_order:
+        if names[i] in chunks and pos % sizes[i]:
+            # The first chunk after plain tensors of a smaller item size: a pad tensor keeps
+            # it aligned (safetensors allows no gap), and no tree refers to it.
+            pad = fmt.align_up(pos, sizes[i]) - pos
+            specs.append(fmt.TensorSpec(fmt.PAD_NAME, "U8", (pad,), pos, pos + pad))
+            pos += pad
         nbytes = math.prod(shapes[i]) * sizes[i]
         st_dtype = TORCH_TO_ST[dtypes[i]]
-        specs.append(fmt.TensorSpec(flat.names[i], st_dtype, tuple(shapes[i]), pos, pos + nbytes))
-        where[i] = j
+        where[i] = len(specs)
+        specs.append(fmt.TensorSpec(names[i], st_dtype, tuple(shapes[i]), pos, pos + nbytes))
         pos += nbytes
     header = fmt.build_header(specs)
-    return Layout(next(_layout_ids), header, tuple(specs), tuple(where), shapes, dtypes)
+    entries = tuple(
+        (
+            h.name,
+            TORCH_TO_ST[h.tensor.dtype],
+            h.shape,
+            h.placements,
+            h.mesh,
+            (h.chunk.offsets, h.chunk.sizes) if h.writes else None,
+        )
+        for h in flat.dtensors
+    )
+    return Layout(next(_layout_ids), header, tuple(specs), tuple(where), shapes, dtypes, entries)
 
 
 class Slab:
@@ -154,6 +178,9 @@ class Slab:
                 self.u8[base + s.start : base + s.end].view(ST_TO_TORCH[s.dtype]).view(s.shape)
                 for s in layout.specs
             ]
+            for s in layout.specs:
+                if s.name == fmt.PAD_NAME:
+                    self.u8[base + s.start : base + s.end].zero_()
             self.views = [by_file[j] for j in layout.order]
             self.plan = _plan(layout, self.u8[base:])
             self.layout_id = layout.id

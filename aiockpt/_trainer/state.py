@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ from .._core.format import fragment_ref
 from .._core.gc import gc_paused, no_gc
 from .._core.tree import (
     DICT,
+    DTENSOR,
     FLOAT,
     LIST,
     MAX_TREE_DEPTH,
@@ -84,6 +86,14 @@ class Flat:
     #: False when a cached mapping's tensors were taken on trust: the staging copy checks each
     #: one against the layout and raises StaleFlat on a mismatch.
     trusted: bool = True
+    #: The DTensors in tree order (dtensor.Held); the chunks this rank writes are among
+    #: ``names`` and ``tensors`` (their local tensors), under their own names.
+    dtensors: list[Any] = field(default_factory=list)
+
+    @property
+    def chunk_names(self) -> frozenset[str]:
+        """The names of the DTensor chunks this rank writes."""
+        return frozenset(h.name for h in self.dtensors if h.writes)
 
 
 def _path(parent: str, key: object) -> str:
@@ -140,6 +150,7 @@ class _Walk:
     __slots__ = (
         "active",
         "cuda",
+        "dtensors",
         "fragments",
         "key",
         "known",
@@ -164,6 +175,7 @@ class _Walk:
         self.active: set[int] = set()
         self.cuda = False
         self.trusted = True
+        self.dtensors: list[Any] = []
 
     def flatten(self, state: Any) -> Flat:
         """The Flat of ``state``, a mapping or a stateful object."""
@@ -184,12 +196,13 @@ class _Walk:
             self.fragments,
             self.cuda,
             self.trusted,
+            self.dtensors,
         )
 
     def walk(self, value: Any, path: str, depth: int) -> Any:
         """The tree node of ``value``, found at key path ``path``."""
         if isinstance(value, torch.Tensor):
-            return {TENSOR: self.add_tensor(value, path)}
+            return self.tensor_node(value, path)
         if value is None or isinstance(value, (bool, int, str)):
             if isinstance(value, str) and "\x00" in value:
                 raise UnsupportedValueError(path, "strings with NUL characters are not stored")
@@ -237,8 +250,10 @@ class _Walk:
             if type(k) is not str or "\x00" in k:
                 _check_key(k, path)
             child = f"{prefix}{k}"
-            if isinstance(v, torch.Tensor):
+            if type(v) in _PLAIN_TENSORS:
                 items.append([k, {TENSOR: add_tensor(v, child)}])
+            elif isinstance(v, torch.Tensor):
+                items.append([k, self.tensor_node(v, child)])
             else:
                 items.append([k, walk(v, child, depth + 1)])
         return {DICT: items}
@@ -282,6 +297,33 @@ class _Walk:
         self.trusted = False
         self.cuda = self.cuda or frag.cuda
 
+    def tensor_node(self, t: torch.Tensor, path: str) -> dict[str, str]:
+        """The tree node of tensor ``t`` (a DTensor's too), recorded under ``path``."""
+        dtensor_type = _dtensor_type()
+        if dtensor_type is not None and isinstance(t, dtensor_type):
+            return {DTENSOR: self.add_dtensor(t, path)}
+        return {TENSOR: self.add_tensor(t, path)}
+
+    def add_dtensor(self, t: Any, path: str) -> str:
+        """Record DTensor ``t`` under ``path``: the chunk this rank writes, if any, is staged
+        like a tensor of its own."""
+        from . import dtensor
+
+        if t.dtype not in TORCH_TO_ST:
+            raise UnsupportedValueError(path, _tensor_problem(t))
+        held = dtensor.describe(t, path)
+        if path in self.seen:
+            raise UnsupportedValueError(
+                path, "two keys flatten to this tensor name (e.g. int 0 and str '0')"
+            )
+        self.dtensors.append(held)
+        if held.writes:
+            self.add_tensor(t._local_tensor, path)
+        else:
+            self.seen.add(path)
+        self.key.append((DTENSOR, path, t.dtype, *held.key))
+        return path
+
     def add_tensor(self, t: torch.Tensor, path: str) -> str:
         """Record tensor ``t`` under its name ``path``; return the name."""
         # The hot loop at 20k tensors: few attribute reads, no detach (copy_ runs under
@@ -309,6 +351,13 @@ class _Walk:
         return path
 
 
+def _dtensor_type() -> type | None:
+    """The DTensor class, or None when nothing imported it (then no value is one): importing
+    torch.distributed.tensor costs a second, which a run without DTensors never pays."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
 def _check_key(key: Any, path: str) -> None:
     """Refuse a dict key the tree cannot hold: not str or int, or holding a NUL."""
     if isinstance(key, bool) or not isinstance(key, (str, int)):
@@ -332,24 +381,71 @@ def _tensor_problem(t: torch.Tensor) -> str:
 # --------------------------------------------------------------------------- load
 
 
-def unflatten(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    """Rebuild the saved nesting; objects saved through state_dict() come back as their dicts."""
+def unflatten(
+    tree: Any, tensors: Mapping[str, torch.Tensor], held: Mapping[str, Any] | None = None
+) -> Any:
+    """Rebuild the saved nesting; objects saved through state_dict() come back as their dicts.
+
+    A distributed tensor comes back whole, as a plain tensor, unless ``held`` has a DTensor
+    (dtensor.Held) of its name: then as a DTensor like that one, of this rank's chunk.
+    """
     # Recursive, unlike _core.tree.walk: a rebuild needs its children's values, and the tree
     # was checked (its depth bounded) before it got here.
     tag, body = next(iter(tree.items()))
-    if tag == TENSOR:
+    if tag in (TENSOR, DTENSOR):
+        if held and body in held:
+            return _as_dtensor(held[body], tensors[body], body)
         return tensors[body]
     if tag == DICT:
-        return {k: unflatten(v, tensors) for k, v in body}
+        return {k: unflatten(v, tensors, held) for k, v in body}
     if tag == LIST:
-        return [unflatten(v, tensors) for v in body]
+        return [unflatten(v, tensors, held) for v in body]
     if tag == TUPLE:
-        return tuple(unflatten(v, tensors) for v in body)
+        return tuple(unflatten(v, tensors, held) for v in body)
     if tag == STATEFUL:
-        return unflatten(body, tensors)
+        return unflatten(body, tensors, held)
     if tag == FLOAT:
         return decode_float(body)
     return body
+
+
+def local_part(held: Any, src: torch.Tensor, path: str) -> torch.Tensor | None:
+    """This rank's chunk of the DTensor ``held`` from ``src``: the chunk itself as loaded,
+    or cut out of the whole tensor; None on a rank outside the mesh."""
+    chunk = held.chunk
+    if chunk is None:
+        return None
+    if tuple(src.shape) == chunk.sizes:
+        return src
+    if tuple(src.shape) == held.shape:
+        return src[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes, strict=True))]
+    raise LoadMismatchError(
+        f"{path or '<root>'}: saved {src.dtype}{list(src.shape)} does not fit the DTensor "
+        f"{held.tensor.dtype}{list(held.shape)}"
+    )
+
+
+def _as_dtensor(held: Any, src: torch.Tensor, path: str) -> Any:
+    """A DTensor placed like ``held`` holding this rank's chunk of ``src``."""
+    from torch.distributed.tensor import DTensor
+
+    like = held.tensor
+    local = local_part(held, src, path)
+    if local is None:
+        local = like._local_tensor.new_empty(like._local_tensor.shape)
+    if src.dtype != like.dtype:
+        raise LoadMismatchError(
+            f"{path or '<root>'}: saved {src.dtype} does not fit the DTensor's {like.dtype}"
+        )
+    local = local.to(like._local_tensor.device)
+    return DTensor.from_local(
+        local,
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
 
 
 @no_gc
@@ -360,61 +456,85 @@ def load_into(
     *,
     owned: bool = True,
     copy: Callable[[list[torch.Tensor], list[torch.Tensor]], None] = torch._foreach_copy_,
+    held: Mapping[str, Any] | None = None,
 ) -> Any:
     """Restore ``tree`` into ``target`` in place where it can; return the restored value.
 
-    Tensors are copied into the target's tensors, all in one ``copy(targets, sources)`` call
-    at the end; anything else gets ``tensors`` themselves, or clones of them when they are not
-    ``owned`` (views of a buffer that will be reused).
+    Tensors are copied into the target's tensors (a DTensor's: into its local tensor), all in
+    one ``copy(targets, sources)`` call at the end; anything else gets ``tensors``
+    themselves, or clones of them when they are not ``owned`` (views of a buffer that will
+    be reused). ``held`` has the target's DTensors by key path (dtensor.Held).
     """
-    copies: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-    result = _restore(target, tree, tensors, "", owned, copies)
-    if copies[0]:
+    restorer = _Restorer(tensors, owned, held or {})
+    result = restorer.restore(target, tree, "")
+    if restorer.dsts:
         with torch.no_grad():
-            copy(*copies)
+            copy(restorer.dsts, restorer.srcs)
     return result
 
 
-def _restore(
-    target: Any,
-    tree: Any,
-    tensors: Mapping[str, torch.Tensor],
-    path: str,
-    owned: bool,
-    copies: tuple[list[torch.Tensor], list[torch.Tensor]],
-) -> Any:
-    fresh = tensors if owned else _Cloning(tensors)
-    tag, body = next(iter(tree.items()))
-    if isinstance(target, torch.Tensor):
-        if tag != TENSOR:
+class _Restorer:
+    """One load_into: the walk of the target against the tree, and the copies it collects."""
+
+    def __init__(
+        self, tensors: Mapping[str, torch.Tensor], owned: bool, held: Mapping[str, Any]
+    ) -> None:
+        self.tensors = tensors
+        self.fresh = tensors if owned else _Cloning(tensors)
+        self.held = held
+        self.dsts: list[torch.Tensor] = []
+        self.srcs: list[torch.Tensor] = []
+
+    def restore(self, target: Any, tree: Any, path: str) -> Any:
+        """The restored value of ``target``, found at key path ``path``."""
+        tag, body = next(iter(tree.items()))
+        if isinstance(target, torch.Tensor):
+            return self.tensor(target, tag, body, path)
+        if is_stateful(target):
+            inner = body if tag == STATEFUL else tree
+            target.load_state_dict(unflatten(inner, self.fresh, self.held))
+            return target
+        if tag == STATEFUL:
+            tag, body = next(iter(body.items()))
+        if isinstance(target, dict) and tag == DICT:
+            for k, node in body:
+                if k in target:
+                    target[k] = self.restore(target[k], node, _path(path, k))
+                else:
+                    target[k] = unflatten(node, self.fresh)
+            return target
+        if isinstance(target, list) and tag in (LIST, TUPLE) and len(target) == len(body):
+            for i, node in enumerate(body):
+                target[i] = self.restore(target[i], node, _path(path, i))
+            return target
+        return unflatten({tag: body}, self.fresh)
+
+    def tensor(self, target: torch.Tensor, tag: str, body: Any, path: str) -> torch.Tensor:
+        if tag not in (TENSOR, DTENSOR):
             raise LoadMismatchError(f"{path or '<root>'}: the checkpoint holds no tensor here")
-        src = tensors[body]
-        if src.shape != target.shape or src.dtype != target.dtype:
+        src: torch.Tensor | None = self.tensors[body]
+        dst = target
+        held = self.held.get(path)
+        if held is not None and held.tensor is target:
+            assert src is not None
+            if src.dtype != target.dtype:
+                raise LoadMismatchError(
+                    f"{path or '<root>'}: saved {src.dtype} does not fit the DTensor's "
+                    f"{target.dtype}"
+                )
+            src = local_part(held, src, path)
+            if src is None:
+                return target  # this rank holds none of it
+            dst = target._local_tensor
+        assert src is not None
+        if src.shape != dst.shape or src.dtype != dst.dtype:
             raise LoadMismatchError(
                 f"{path or '<root>'}: saved {src.dtype}{list(src.shape)} does not fit "
-                f"{target.dtype}{list(target.shape)}"
+                f"{dst.dtype}{list(dst.shape)}"
             )
-        copies[0].append(target)
-        copies[1].append(src)
+        self.dsts.append(dst)
+        self.srcs.append(src)
         return target
-    if is_stateful(target):
-        inner = body if tag == STATEFUL else tree
-        target.load_state_dict(unflatten(inner, fresh))
-        return target
-    if tag == STATEFUL:
-        tag, body = next(iter(body.items()))
-    if isinstance(target, dict) and tag == DICT:
-        for k, node in body:
-            if k in target:
-                target[k] = _restore(target[k], node, tensors, _path(path, k), owned, copies)
-            else:
-                target[k] = unflatten(node, fresh)
-        return target
-    if isinstance(target, list) and tag in (LIST, TUPLE) and len(target) == len(body):
-        for i, node in enumerate(body):
-            target[i] = _restore(target[i], node, tensors, _path(path, i), owned, copies)
-        return target
-    return unflatten({tag: body}, fresh)
 
 
 class _Cloning(Mapping):

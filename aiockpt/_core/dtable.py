@@ -1,0 +1,264 @@
+"""The manifest's table of distributed tensors (format version 2), shared by daemon and CLI.
+
+A distributed tensor (a ``DTensor`` of FSDP2 or tensor parallelism) is saved once per
+distinct chunk: each chunk is a tensor of one rank's shard file, stored under the tensor's
+name, and the manifest's ``dtensors`` table says, per name, the global dtype and shape, the
+placements and mesh it was saved from (for people; loading never needs them), and where each
+chunk lies in the global tensor and in which shard. Every chunk also carries the crc32c of
+each ``block_bytes`` block of its bytes, so a load that needs only part of a chunk (a
+reshard) verifies the blocks it reads instead of reading the whole chunk to check it.
+
+On the way to the manifest each rank's daemon sends its own entries (:func:`rank_json`,
+one chunk or none per name) and rank 0 merges them (:func:`merge`). Everything read back
+is checked by :func:`parse_dtensors` before it is used.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TypeGuard
+
+import crc32c
+
+from ..errors import CorruptCheckpointError
+from .chunks import Chunk, check_chunks
+from .dtypes import DTYPE_SIZES
+from .tree import bounded_repr as _short
+
+#: The block size of a chunk's block checksums: a partial read verifies whole blocks, so it
+#: reads at most two blocks more than it uses per chunk.
+BLOCK_BYTES = 64 * 1024
+#: Bounds on what an untrusted table may claim.
+MAX_PLACEMENTS = 16
+_MAX_DIM = 2**63
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRecord:
+    """One saved chunk: its box in the global tensor and where its bytes are (the tensor of
+    the same name in ``shard``: bytes ``[start, end)``, absolute in the file)."""
+
+    chunk: Chunk
+    shard: str
+    start: int
+    end: int
+    crc32c: int
+    #: crc32c of each BLOCK_BYTES block of the chunk's bytes, the last one shorter.
+    blocks: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """The chunk's size in bytes."""
+        return self.end - self.start
+
+
+@dataclass(frozen=True, slots=True)
+class DTensorRecord:
+    """A distributed tensor of a checkpoint: global dtype and shape, and its chunks."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    placements: tuple[str, ...]
+    mesh: tuple[int, ...]
+    chunks: tuple[ChunkRecord, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """The global tensor's size in bytes (its chunks', each element saved once)."""
+        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
+
+
+def block_crcs(data: memoryview, block: int = BLOCK_BYTES) -> list[int]:
+    """The crc32c of each ``block``-byte block of ``data``, the last one shorter."""
+    return [crc32c.crc32c(data[i : i + block]) for i in range(0, len(data), block)]
+
+
+def blocks_for(lo: int, hi: int, nbytes: int, block: int = BLOCK_BYTES) -> tuple[int, int]:
+    """``(first, end)``: the blocks of a chunk of ``nbytes`` that hold bytes ``[lo, hi)``."""
+    if not 0 <= lo < hi <= nbytes:
+        raise ValueError(f"bytes [{lo}, {hi}) are not inside a chunk of {nbytes}")
+    return lo // block, (hi + block - 1) // block
+
+
+# --------------------------------------------------------------------------- on the way in
+
+
+@dataclass(frozen=True, slots=True)
+class RankEntry:
+    """What one rank says of a distributed tensor it saves: the global facts, and its own
+    chunk when it writes one (None: another rank writes the chunk it holds, or it holds
+    nothing)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    placements: tuple[str, ...]
+    mesh: tuple[int, ...]
+    chunk: Chunk | None
+
+
+def rank_json(entries: Sequence[RankEntry], blocks: dict[str, list[int]]) -> str:
+    """One rank's entries as JSON text, with the block crcs of the chunks it wrote."""
+    out: dict[str, Any] = {}
+    for e in entries:
+        chunk = None
+        if e.chunk is not None:
+            chunk = {
+                "offsets": list(e.chunk.offsets),
+                "sizes": list(e.chunk.sizes),
+                "blocks": blocks[e.name],
+            }
+        out[e.name] = {
+            "dtype": e.dtype,
+            "shape": list(e.shape),
+            "placements": list(e.placements),
+            "mesh": list(e.mesh),
+            "chunk": chunk,
+        }
+    return json.dumps(out, separators=(",", ":"), ensure_ascii=False)
+
+
+class Disagreement(ValueError):
+    """The ranks' entries of one distributed tensor do not describe the same tensor."""
+
+
+def merge(parts: Sequence[tuple[str, str]]) -> str | None:
+    """The manifest's ``dtensors`` table from each rank's (shard file, :func:`rank_json`),
+    in rank order; None when no rank saved a distributed tensor.
+
+    Raises :class:`Disagreement` naming the tensor when ranks give it different dtypes,
+    shapes, placements or meshes.
+    """
+    table: dict[str, dict[str, Any]] = {}
+    for shard, text in parts:
+        if not text:
+            continue
+        for name, entry in json.loads(text).items():
+            chunk = entry.pop("chunk")
+            known = table.get(name)
+            if known is None:
+                known = table[name] = {**entry, "chunks": []}
+            elif any(known[k] != entry[k] for k in ("dtype", "shape", "placements", "mesh")):
+                raise Disagreement(
+                    f"the ranks disagree on the distributed tensor {name!r}: "
+                    f"{_describe(known)} on one, {_describe(entry)} on another"
+                )
+            if chunk is not None:
+                known["chunks"].append({**chunk, "shard": shard})
+    if not table:
+        return None
+    return json.dumps(table, separators=(",", ":"), ensure_ascii=False)
+
+
+def _describe(entry: dict[str, Any]) -> str:
+    return f"{entry['dtype']}{entry['shape']} placed {entry['placements']} on mesh {entry['mesh']}"
+
+
+# --------------------------------------------------------------------------- on the way out
+
+
+def parse_dtensors(
+    raw: Any, tensors: dict[str, dict[str, Any]], block: Any, *, path: str
+) -> dict[str, DTensorRecord]:
+    """Validate an untrusted ``dtensors`` table against the manifest's checked ``tensors``
+    (shard file -> name -> TensorRecord); raises :class:`CorruptCheckpointError` naming the
+    tensor.
+
+    Every chunk's bytes must be the tensor of its name in its shard, of the table's dtype and
+    of the chunk's sizes, with one block crc per ``block`` bytes; and the chunks of each
+    tensor must tile it exactly (:func:`chunks.check_chunks`).
+    """
+    if type(block) is not int or not 1 <= block <= 1 << 30:
+        raise CorruptCheckpointError(f"{path}: bad block_bytes {_short(block)}", path=path)
+    if not isinstance(raw, dict):
+        raise CorruptCheckpointError(f"{path}: dtensors is not an object", path=path)
+    return {name: _parse_one(name, entry, tensors, block, path) for name, entry in raw.items()}
+
+
+def _parse_one(
+    name: str, entry: Any, tensors: dict[str, dict[str, Any]], block: int, path: str
+) -> DTensorRecord:
+    where = f"{path}: distributed tensor {_short(name)}"
+
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where}: {why}", path=path, key=name)
+
+    if not isinstance(entry, dict):
+        raise bad("malformed entry")
+    dtype, shape = entry.get("dtype"), entry.get("shape")
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+        raise bad(f"unknown dtype {_short(dtype)}")
+    if not _ints(shape, 0) or len(shape) > 64:
+        raise bad(f"bad shape {_short(shape)}")
+    placements, mesh = entry.get("placements"), entry.get("mesh")
+    if (
+        not isinstance(placements, list)
+        or len(placements) > MAX_PLACEMENTS
+        or not all(isinstance(p, str) and len(p) <= 200 for p in placements)
+    ):
+        raise bad(f"bad placements {_short(placements)}")
+    if not _ints(mesh, 1) or len(mesh) > MAX_PLACEMENTS:
+        raise bad(f"bad mesh {_short(mesh)}")
+    chunks_raw = entry.get("chunks")
+    if not isinstance(chunks_raw, list):
+        raise bad("chunks is not a list")
+    chunks = []
+    shards_seen: set[str] = set()
+    for i, c in enumerate(chunks_raw):
+        rec = _parse_chunk(c, i, name, dtype, len(shape), tensors, block, bad)
+        if rec.shard in shards_seen:
+            raise bad(f"two chunks in {rec.shard}")
+        shards_seen.add(rec.shard)
+        chunks.append(rec)
+    check_chunks(tuple(shape), [c.chunk for c in chunks], where=where)
+    return DTensorRecord(name, dtype, tuple(shape), tuple(placements), tuple(mesh), tuple(chunks))
+
+
+def _parse_chunk(
+    c: Any,
+    i: int,
+    name: str,
+    dtype: str,
+    ndim: int,
+    tensors: dict[str, dict[str, Any]],
+    block: int,
+    bad: Any,
+) -> ChunkRecord:
+    if not isinstance(c, dict):
+        raise bad(f"chunk {i} is malformed")
+    offsets, sizes, shard, blocks = (
+        c.get("offsets"),
+        c.get("sizes"),
+        c.get("shard"),
+        c.get("blocks"),
+    )
+    if not _ints(offsets, 0) or not _ints(sizes, 0) or len(offsets) != ndim or len(sizes) != ndim:
+        raise bad(f"chunk {i} has bad offsets {_short(offsets)} or sizes {_short(sizes)}")
+    if not isinstance(shard, str) or shard not in tensors:
+        raise bad(f"chunk {i} names shard {_short(shard)}, which the manifest does not list")
+    rec = tensors[shard].get(name)
+    if rec is None:
+        raise bad(f"chunk {i}: {shard} holds no tensor of this name")
+    if rec.dtype != dtype or rec.shape != tuple(sizes):
+        raise bad(
+            f"chunk {i}: {shard} holds it as {rec.dtype}{list(rec.shape)}, the table says "
+            f"{dtype}{sizes}"
+        )
+    nbytes = rec.end - rec.start
+    if (
+        not isinstance(blocks, list)
+        or len(blocks) != (nbytes + block - 1) // block
+        or not all(type(b) is int and 0 <= b < 2**32 for b in blocks)
+    ):
+        raise bad(f"chunk {i} has bad block checksums")
+    return ChunkRecord(
+        Chunk(tuple(offsets), tuple(sizes)), shard, rec.start, rec.end, rec.crc32c, tuple(blocks)
+    )
+
+
+def _ints(value: Any, least: int) -> TypeGuard[list[int]]:
+    return isinstance(value, list) and all(type(v) is int and least <= v < _MAX_DIM for v in value)

@@ -1,0 +1,166 @@
+"""One rank of a DTensor test: ``python _dtensor_worker.py SCENARIO RANK WORLD STORE ROOT OUT ARGS``.
+
+Runs a scenario against a real gloo process group and writes what it saw to OUT as JSON.
+Every rank computes the loss of the same whole batch, so FSDP's averaged gradients are the
+single-process gradients exactly and training is bit-identical on any world size.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import anyio
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from aiockpt import AsyncCheckpointManager
+
+
+def model_and_optimizer(world: int, *, shard: bool = True):
+    torch.manual_seed(0)
+    # 5 output rows: uneven on 2 ranks (3 + 2) and on 4 (2 + 2 + 1 + 0).
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    if shard:
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    return model, opt
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)
+
+
+def train(model, opt, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        x, y = batch(step)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def full(t: torch.Tensor) -> list:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).tolist()
+
+
+def moments(opt) -> dict:
+    sd = opt.state_dict()["state"]
+    return {
+        f"{i}/{k}": full(v) for i, st in sd.items() for k, v in st.items() if k != "step"
+    } | {f"{i}/step": float(st["step"]) for i, st in sd.items()}
+
+
+async def fsdp_save(rank: int, world: int, root: str, args: dict) -> dict:
+    model, opt = model_and_optimizer(world)
+    losses = train(model, opt, range(3))
+    async with AsyncCheckpointManager(root, dist_timeout=60) as mgr:
+        await (await mgr.save(3, {"model": model, "optim": opt, "step": 3}))
+    params = {k: full(v) for k, v in model.state_dict().items()}
+    return {
+        "losses": losses,
+        "params": params,
+        "moments": moments(opt),
+        "after": train(model, opt, range(3, 6)),
+    }
+
+
+async def fsdp_load(rank: int, world: int, root: str, args: dict) -> dict:
+    model, opt = model_and_optimizer(world, shard=world > 0 and not args.get("plain"))
+    state = {"model": model, "optim": opt, "step": 0}
+    async with AsyncCheckpointManager(root, dist_timeout=60) as mgr:
+        await mgr.load(3, into=state)
+    params = {k: full(v) for k, v in model.state_dict().items()}
+    return {
+        "step": state["step"],
+        "params": params,
+        "moments": moments(opt),
+        "after": train(model, opt, range(3, 6)),
+    }
+
+
+def tp_layout(world: int) -> dict:
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(6, 10, generator=g)
+    return {
+        "w": distribute_tensor(w, mesh, [Shard(1)]),  # 10 columns: uneven on 4 (3, 3, 3, 1)
+        "rep": distribute_tensor(torch.arange(12.0).view(3, 4), mesh, [Replicate()]),
+        "i": distribute_tensor(torch.arange(7, dtype=torch.int64), mesh, [Shard(0)]),
+    }
+
+
+async def layouts_save(rank: int, world: int, root: str, args: dict) -> dict:
+    async with AsyncCheckpointManager(root, dist_timeout=60) as mgr:
+        await (await mgr.save(1, tp_layout(world)))
+    return {}
+
+
+async def layouts_load(rank: int, world: int, root: str, args: dict) -> dict:
+    """Load the TP layout's tensors into DTensors of other placements."""
+    mesh = init_device_mesh("cpu", (world,))
+    into = {
+        "w": distribute_tensor(torch.zeros(6, 10), mesh, [Shard(0)]),
+        "rep": distribute_tensor(torch.zeros(3, 4), mesh, [Shard(1)]),
+        "i": torch.zeros(7, dtype=torch.int64),  # a plain tensor gets the whole value
+    }
+    async with AsyncCheckpointManager(root, dist_timeout=60) as mgr:
+        await mgr.load(1, into=into)
+    expect = {k: full(v) for k, v in tp_layout(world).items()}
+    return {"got": {k: full(v) for k, v in into.items()}, "expect": expect}
+
+
+async def bad_saves(rank: int, world: int, root: str, args: dict) -> dict:
+    """States no rank may save; each must fail on every rank with nothing written."""
+    from torch.distributed.tensor import Partial
+
+    mesh = init_device_mesh("cpu", (world,))
+    cases = {
+        "partial": {"p": DTensor.from_local(torch.ones(2), mesh, [Partial()])},
+        "mixed": {"m": distribute_tensor(torch.ones(4), mesh, [Shard(0)]) if rank == 0 else
+                  torch.ones(4)},
+        "shapes": {"s": distribute_tensor(torch.ones(4 + 2 * rank), mesh, [Shard(0)])},
+    }
+    out = {}
+    async with AsyncCheckpointManager(root, dist_timeout=60) as mgr:
+        for i, (name, state) in enumerate(cases.items()):
+            try:
+                await (await mgr.save(i, state))
+                out[name] = None
+            except Exception as e:
+                out[name] = {"type": type(e).__name__, "message": str(e)}
+        out["steps"] = await mgr.steps()
+    return out
+
+
+SCENARIOS = {
+    f.__name__: f
+    for f in (fsdp_save, fsdp_load, layouts_save, layouts_load, bad_saves)
+}
+
+
+def main() -> None:
+    scenario, rank, world, store, root, out, args = sys.argv[1:8]
+    rank, world = int(rank), int(world)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        result = anyio.run(SCENARIOS[scenario], rank, world, root, json.loads(args) or {})
+    finally:
+        dist.destroy_process_group()
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""Real ranks for multi-rank tests: one subprocess per rank, joined by a gloo process group."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent.parent
+
+
+def run_ranks(
+    worker: str,
+    scenario: str,
+    world: int,
+    tmp_path: Path,
+    root: str,
+    timeout: float = 150,
+    args: object = None,
+) -> list[dict]:
+    """Run ``tests/WORKER SCENARIO RANK WORLD STORE ROOT OUT [ARGS]`` once per rank; return what
+    each rank wrote to OUT. ``args`` travels as JSON. Fails unless every rank exits 0."""
+    store = tmp_path / f"store-{scenario}-{world}"
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    procs, outs = [], []
+    for rank in range(world):
+        out = tmp_path / f"{scenario}-{world}-{rank}.json"
+        outs.append(out)
+        cmd = [sys.executable, str(TESTS / worker), scenario, str(rank), str(world), str(store)]
+        cmd += [root, str(out), json.dumps(args)]
+        procs.append(subprocess.Popen(cmd, env=env))
+    try:
+        codes = [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert codes == [0] * world, f"rank exit codes {codes}"
+    return [json.loads(o.read_text()) for o in outs]
