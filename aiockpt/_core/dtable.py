@@ -214,7 +214,10 @@ def _parse_one(
             raise bad(f"two chunks in {rec.shard}")
         shards_seen.add(rec.shard)
         chunks.append(rec)
-    check_chunks(tuple(shape), [c.chunk for c in chunks], where=where)
+    try:
+        check_chunks(tuple(shape), [c.chunk for c in chunks], where=where)
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(str(e), path=path, key=name) from None
     return DTensorRecord(name, dtype, tuple(shape), tuple(placements), tuple(mesh), tuple(chunks))
 
 
