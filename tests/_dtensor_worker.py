@@ -1,4 +1,4 @@
-"""One rank of a DTensor test: ``python _dtensor_worker.py SCENARIO RANK WORLD STORE ROOT OUT ARGS``.
+"""One rank of a DTensor test: ``_dtensor_worker.py SCENARIO RANK WORLD STORE ROOT OUT ARGS``.
 
 Runs a scenario against a real gloo process group and writes what it saw to OUT as JSON.
 Every rank computes the loss of the same whole batch, so FSDP's averaged gradients are the
@@ -57,9 +57,9 @@ def full(t: torch.Tensor) -> list:
 
 def moments(opt) -> dict:
     sd = opt.state_dict()["state"]
-    return {
-        f"{i}/{k}": full(v) for i, st in sd.items() for k, v in st.items() if k != "step"
-    } | {f"{i}/step": float(st["step"]) for i, st in sd.items()}
+    return {f"{i}/{k}": full(v) for i, st in sd.items() for k, v in st.items() if k != "step"} | {
+        f"{i}/step": float(st["step"]) for i, st in sd.items()
+    }
 
 
 async def fsdp_save(rank: int, world: int, root: str, args: dict) -> dict:
@@ -121,16 +121,97 @@ async def layouts_load(rank: int, world: int, root: str, args: dict) -> dict:
     return {"got": {k: full(v) for k, v in into.items()}, "expect": expect}
 
 
+async def fsdp_load_lastdim(rank: int, world: int, root: str, args: dict) -> dict:
+    """Load the FSDP run's weights into DTensors sharded on their last dim instead."""
+    mesh = init_device_mesh("cpu", (world,))
+    model, _ = model_and_optimizer(world, shard=False)
+    into = {
+        k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(v.dim() - 1)])
+        for k, v in model.state_dict().items()
+    }
+    async with AsyncCheckpointManager(root, dist_timeout=60) as mgr:
+        await mgr.load(3, into={"model": into})
+    return {
+        "params": {k: full(v) for k, v in into.items()},
+        "local": {k: list(v.to_local().shape) for k, v in into.items()},
+    }
+
+
+def tp_model(world: int):
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+async def fsdp_tp_save(rank: int, world: int, root: str, args: dict) -> dict:
+    """FSDP over tensor parallel on a (2, world / 2) mesh."""
+    model = tp_model(world)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    x, y = batch(0)
+    x = torch.cat([x, x], dim=1)
+    loss = torch.nn.functional.mse_loss(model(x), torch.cat([y, y, y[:, :2]], dim=1))
+    loss.backward()
+    opt.step()
+    async with AsyncCheckpointManager(root, dist_timeout=60) as mgr:
+        await (await mgr.save(1, {"model": model, "optim": opt}))
+    sd = model.state_dict()
+    return {
+        "params": {k: full(v) for k, v in sd.items()},
+        "placements": {k: [repr(p) for p in v.placements] for k, v in sd.items()},
+        "moments": moments(opt),
+    }
+
+
+async def dcp_save(rank: int, world: int, root: str, args: dict) -> dict:
+    """The state dicts of torch.distributed.checkpoint.state_dict, saved as they are."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, opt = model_and_optimizer(world)
+    train(model, opt, range(3))
+    model_sd, optim_sd = get_state_dict(model, opt)
+    async with AsyncCheckpointManager(root, dist_timeout=60) as mgr:
+        await (await mgr.save(3, {"model": model_sd, "optim": optim_sd}))
+    return {"after": train(model, opt, range(3, 6))}
+
+
+async def dcp_load(rank: int, world: int, root: str, args: dict) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt = model_and_optimizer(world)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    async with AsyncCheckpointManager(root, dist_timeout=60) as mgr:
+        await mgr.load(3, into=state)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return {"after": train(model, opt, range(3, 6))}
+
+
 async def bad_saves(rank: int, world: int, root: str, args: dict) -> dict:
     """States no rank may save; each must fail on every rank with nothing written."""
     from torch.distributed.tensor import Partial
 
     mesh = init_device_mesh("cpu", (world,))
+    # Built with from_local, which runs no collective: distribute_tensor on one rank only
+    # would hang the other.
     cases = {
         "partial": {"p": DTensor.from_local(torch.ones(2), mesh, [Partial()])},
-        "mixed": {"m": distribute_tensor(torch.ones(4), mesh, [Shard(0)]) if rank == 0 else
-                  torch.ones(4)},
-        "shapes": {"s": distribute_tensor(torch.ones(4 + 2 * rank), mesh, [Shard(0)])},
+        "mixed": {
+            "m": DTensor.from_local(torch.ones(2), mesh, [Shard(0)], run_check=False)
+            if rank == 0
+            else torch.ones(4)
+        },
+        "shapes": {
+            "s": DTensor.from_local(torch.ones(2 + rank), mesh, [Shard(0)], run_check=False)
+        },
     }
     out = {}
     async with AsyncCheckpointManager(root, dist_timeout=60) as mgr:
@@ -146,7 +227,17 @@ async def bad_saves(rank: int, world: int, root: str, args: dict) -> dict:
 
 SCENARIOS = {
     f.__name__: f
-    for f in (fsdp_save, fsdp_load, layouts_save, layouts_load, bad_saves)
+    for f in (
+        fsdp_save,
+        fsdp_load,
+        fsdp_load_lastdim,
+        layouts_save,
+        layouts_load,
+        fsdp_tp_save,
+        dcp_save,
+        dcp_load,
+        bad_saves,
+    )
 }
 
 
