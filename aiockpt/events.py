@@ -84,6 +84,8 @@ class Event:
     time: float = 0.0
     duration_s: float | None = None
     nbytes: int | None = None
+    #: On ``load.end``: the bytes this rank's load read from storage.
+    read_nbytes: int | None = None
     where: str = "trainer"
     error: dict[str, str] | None = None
 
@@ -217,6 +219,7 @@ class EventDispatcher:
         where: str = "trainer",
         error: BaseException | dict[str, str] | None = None,
         time: float | None = None,
+        read_nbytes: int | None = None,
     ) -> Event:
         if name not in EVENT_NAMES:
             raise ValueError(f"unknown event name {name!r}")
@@ -242,6 +245,7 @@ class EventDispatcher:
             time=_time.time() if time is None else time,
             duration_s=duration_s,
             nbytes=nbytes,
+            read_nbytes=read_nbytes,
             where=where,
             error=error,
         )
@@ -300,7 +304,7 @@ def _log(event: Event) -> None:
     if not logger.isEnabledFor(level):
         return
     parts = [event.name]
-    for key in ("step", "uuid", "duration_s", "nbytes"):
+    for key in ("step", "uuid", "duration_s", "nbytes", "read_nbytes"):
         value = getattr(event, key)
         if value is not None:
             parts.append(f"{key}={value:.6f}" if key == "duration_s" else f"{key}={value}")

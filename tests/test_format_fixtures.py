@@ -31,12 +31,16 @@ def v1_root(tmp_path: Path) -> str:
 
 
 def test_format_v1_checkpoint_loads(v1_root: str) -> None:
+    events = []
+
     async def main() -> tuple[list[int], dict]:
-        async with AsyncCheckpointManager(v1_root) as mgr:
+        async with AsyncCheckpointManager(v1_root, event_handlers=[events.append]) as mgr:
             return await mgr.steps(), await mgr.load()
 
     steps, state = anyio.run(main)
     assert steps == [7]
+    (end,) = [e for e in events if e.name == "load.end"]
+    assert end.read_nbytes == 24 + 24 + 6 + 2  # the four tensors' bytes, nothing else
     model = state["model"]
     assert torch.equal(model["w"], torch.arange(6.0).view(2, 3))
     assert torch.equal(model["b"], torch.ones(3, dtype=torch.float16))

@@ -204,9 +204,8 @@ class LoadReply:
     created_at: float
     nbytes: int
     url: str
-    #: Bytes read from storage for distributed tensors, and bytes of them used.
-    dtensor_read: int = 0
-    dtensor_used: int = 0
+    #: Bytes this load read from storage (plain tensors and the chunks of distributed ones).
+    read_nbytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

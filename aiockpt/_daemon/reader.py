@@ -145,8 +145,7 @@ class Reader:
             created_at=m.created_at,
             nbytes=m.nbytes,
             url=self.catalog.where(fmt.step_dirname(step)),
-            dtensor_read=assembled.read_bytes if assembled else 0,
-            dtensor_used=assembled.used_bytes if assembled else 0,
+            read_nbytes=hi - lo + (assembled.read_bytes if assembled else 0),
         )
 
     def _assemble(

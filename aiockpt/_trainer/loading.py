@@ -64,6 +64,7 @@ class Loader:
             step=reply.step,
             duration_s=time.monotonic() - t0,
             nbytes=reply.nbytes,
+            read_nbytes=reply.read_nbytes,
         )
         return result
 
