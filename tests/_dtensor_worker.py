@@ -107,6 +107,15 @@ async def layouts_save(rank: int, world: int, root: str, args: dict) -> dict:
     return {}
 
 
+async def fixture_v2(rank: int, world: int, root: str, args: dict) -> dict:
+    """The format version 2 fixture: DTensors of three layouts, a plain tensor whose 3 bytes
+    put a pad before the first chunk, and a plain value."""
+    state = {**tp_layout(world), "plain": torch.arange(3, dtype=torch.int8), "step": 5}
+    async with AsyncCheckpointManager(root, dist_timeout=60) as mgr:
+        await (await mgr.save(5, state, metrics={"loss": 0.25}))
+    return {}
+
+
 async def layouts_load(rank: int, world: int, root: str, args: dict) -> dict:
     """Load the TP layout's tensors into DTensors of other placements."""
     mesh = init_device_mesh("cpu", (world,))
@@ -233,6 +242,7 @@ SCENARIOS = {
         fsdp_load_lastdim,
         layouts_save,
         layouts_load,
+        fixture_v2,
         fsdp_tp_save,
         dcp_save,
         dcp_load,

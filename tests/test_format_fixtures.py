@@ -67,3 +67,44 @@ def test_format_v1_checkpoint_loads_into_a_state(v1_root: str) -> None:
 def test_format_v1_checkpoint_verifies(v1_root: str) -> None:
     done = subprocess.run([SCRIPT, "verify", v1_root], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.fixture
+def v2_root(tmp_path: Path) -> str:
+    root = tmp_path / "v2"
+    shutil.copytree(FIXTURES / "format_v2", root)
+    return str(root)
+
+
+def v2_expected() -> dict:
+    """What the version 2 fixture holds: written on 2 gloo ranks by tests/_dtensor_worker.py
+    (scenario fixture_v2)."""
+    g = torch.Generator().manual_seed(7)
+    return {
+        "w": torch.randn(6, 10, generator=g),  # Shard(1): 5 + 5 columns
+        "rep": torch.arange(12.0).view(3, 4),  # Replicate(): stored once
+        "i": torch.arange(7, dtype=torch.int64),  # Shard(0): 4 + 3
+        "plain": torch.arange(3, dtype=torch.int8),
+    }
+
+
+def test_format_v2_checkpoint_loads_whole_in_one_process(v2_root: str) -> None:
+    async def main() -> dict:
+        async with AsyncCheckpointManager(v2_root) as mgr:
+            return await mgr.load()
+
+    state = anyio.run(main)
+    assert state["step"] == 5
+    for name, value in v2_expected().items():
+        assert torch.equal(state[name], value), name
+
+
+def test_format_v2_checkpoint_verifies_and_reads_with_safetensors(v2_root: str) -> None:
+    from safetensors import safe_open
+
+    done = subprocess.run([SCRIPT, "verify", v2_root], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    shard = Path(v2_root) / "step_000000000005" / "shard_r00001.safetensors"
+    with safe_open(str(shard), "pt") as f:
+        # Rank 1's chunk of "w": columns 5-9.
+        assert torch.equal(f.get_tensor("w"), v2_expected()["w"][:, 5:])
