@@ -204,6 +204,27 @@ async def dcp_load(rank: int, world: int, root: str, args: dict) -> dict:
     return {"after": train(model, opt, range(3, 6))}
 
 
+async def bad_loads(rank: int, world: int, root: str, args: dict) -> dict:
+    """Targets the TP layout's checkpoint does not fit; each load must fail, target untouched."""
+    mesh = init_device_mesh("cpu", (world,))
+    cases = {
+        "shape": {"w": distribute_tensor(torch.zeros(6, 11), mesh, [Shard(0)])},
+        "dtype": {
+            "w": distribute_tensor(torch.zeros(6, 10, dtype=torch.float64), mesh, [Shard(0)])
+        },
+    }
+    out = {}
+    async with AsyncCheckpointManager(root, dist_timeout=60) as mgr:
+        for name, into in cases.items():
+            try:
+                await mgr.load(1, into=into)
+                out[name] = None
+            except Exception as e:
+                out[name] = {"type": type(e).__name__, "message": str(e)}
+            out[name + "_untouched"] = bool((into["w"].to_local() == 0).all())
+    return out
+
+
 async def bad_saves(rank: int, world: int, root: str, args: dict) -> dict:
     """States no rank may save; each must fail on every rank with nothing written."""
     from torch.distributed.tensor import Partial
@@ -247,6 +268,7 @@ SCENARIOS = {
         dcp_save,
         dcp_load,
         bad_saves,
+        bad_loads,
     )
 }
 

@@ -109,6 +109,13 @@ def test_layouts_reshard_across_placements_and_replicas_are_stored_once(tmp_path
     assert [c["sizes"] for c in m["dtensors"]["w"]["chunks"]] == [[6, 5], [6, 5]]
     for rank in ranks("layouts_load", 2, tmp_path, root):
         assert rank["got"] == rank["expect"]
+    for rank in ranks("bad_loads", 2, tmp_path, root):
+        assert rank["shape"]["type"] == "LoadMismatchError"
+        assert rank["shape"]["message"] == "w: saved F32[6, 10] does not fit F32[6, 11]"
+        assert rank["dtype"]["type"] == "LoadMismatchError"
+        assert "does not fit F64[6, 10]" in rank["dtype"]["message"]
+        assert rank["shape_untouched"]
+        assert rank["dtype_untouched"]
 
 
 def test_fsdp_over_tensor_parallel_on_a_2x2_mesh_loads_in_a_plain_process(tmp_path):
