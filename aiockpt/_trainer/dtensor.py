@@ -122,32 +122,7 @@ def check_placements(dt: DTensor, path: str) -> Chunk | None:
     or a local tensor whose shape is not the one its placements give. Returns this rank's
     chunk, None on a rank outside the mesh.
     """
-    for mesh_dim, placement in enumerate(dt.placements):
-        if isinstance(placement, Partial):
-            raise UnsupportedValueError(
-                path,
-                f"a DTensor with a Partial placement on mesh dim {mesh_dim} holds unreduced "
-                "addends, not a piece of the tensor; redistribute it to Replicate() or "
-                "Shard() before saving",
-            )
-        if not isinstance(placement, (Shard, _StridedShard, Replicate)):
-            raise UnsupportedValueError(
-                path, f"a DTensor placement {placement!r} on mesh dim {mesh_dim} is not supported"
-            )
-    try:
-        chunk, _ = _held(dt.device_mesh, tuple(dt.placements), global_shape(dt))
-    except ValueError as e:
-        raise UnsupportedValueError(path, str(e)) from None
-    if chunk is None:
-        return None  # this rank holds nothing of it, and saves nothing
-    local = tuple(dt._local_tensor.shape)
-    if local != chunk.sizes:
-        raise UnsupportedValueError(
-            path,
-            f"the DTensor's local tensor has shape {list(local)}, but its placements "
-            f"{list(dt.placements)} give this rank a piece of shape {list(chunk.sizes)}",
-        )
-    return chunk
+    return _facts(dt, path).chunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,35 +153,68 @@ def describe(dt: DTensor, path: str) -> Held:
     """What this rank saves of ``dt``, found at key path ``path``; refuses (with
     :class:`~aiockpt.errors.UnsupportedValueError` naming ``path``) what check_placements
     refuses."""
-    chunk = check_placements(dt, path)
-    mesh = dt.device_mesh
-    placements = tuple(dt.placements)
-    shape = global_shape(dt)
-    writes = chunk is not None and chunk.numel > 0 and _held(mesh, placements, shape)[1]
-    return Held(
-        path,
-        dt,
-        shape,
-        tuple(repr(p) for p in placements),
-        tuple(int(n) for n in mesh.shape),
-        _mesh_ranks(mesh),
-        chunk,
-        writes,
-    )
+    f = _facts(dt, path)
+    return Held(path, dt, f.shape, f.placements, f.mesh, f.mesh_ranks, f.chunk, f.writes)
+
+
+@dataclass(frozen=True, slots=True)
+class _Facts:
+    """What a DTensor's mesh, placements and global shape decide for this rank."""
+
+    shape: tuple[int, ...]
+    placements: tuple[str, ...]
+    mesh: tuple[int, ...]
+    mesh_ranks: tuple[int, ...]
+    chunk: Chunk | None
+    writes: bool
+
+
+def _facts(dt: DTensor, path: str) -> _Facts:
+    # A state of thousands of DTensors shares a few layouts: what they decide is cached.
+    try:
+        facts = _facts_of(dt.device_mesh, tuple(dt.placements), tuple(dt.shape))
+    except _Refused as e:
+        raise UnsupportedValueError(path, str(e)) from None
+    chunk = facts.chunk
+    if chunk is not None:
+        local = tuple(dt._local_tensor.shape)
+        if local != chunk.sizes:
+            raise UnsupportedValueError(
+                path,
+                f"the DTensor's local tensor has shape {list(local)}, but its placements "
+                f"{list(dt.placements)} give this rank a piece of shape {list(chunk.sizes)}",
+            )
+    return facts
+
+
+class _Refused(ValueError):
+    """A layout that cannot be saved (the message says why)."""
 
 
 @functools.lru_cache(maxsize=4096)
-def _held(mesh: object, placements: tuple[Placement, ...], shape: tuple[int, ...]):
+def _facts_of(mesh: object, placements: tuple[Placement, ...], shape: tuple[int, ...]) -> _Facts:
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Partial):
+            raise _Refused(
+                f"a DTensor with a Partial placement on mesh dim {mesh_dim} holds unreduced "
+                "addends, not a piece of the tensor; redistribute it to Replicate() or "
+                "Shard() before saving"
+            )
+        if not isinstance(placement, (Shard, _StridedShard, Replicate)):
+            raise _Refused(
+                f"a DTensor placement {placement!r} on mesh dim {mesh_dim} is not supported"
+            )
+    mesh_shape = tuple(int(n) for n in mesh.shape)  # type: ignore[attr-defined]
     coordinate = mesh.get_coordinate()  # type: ignore[attr-defined]
-    if coordinate is None:
-        return None, False
-    chunk = chunk_at(shape, mesh.shape, coordinate, placements)  # type: ignore[attr-defined]
-    return chunk, writes_at(coordinate, placements)
-
-
-@functools.lru_cache(maxsize=256)
-def _mesh_ranks(mesh: object) -> tuple[int, ...]:
-    return tuple(int(r) for r in mesh.mesh.flatten().tolist())  # type: ignore[attr-defined]
+    chunk, writes = None, False
+    if coordinate is not None:
+        try:
+            chunk = chunk_at(shape, mesh_shape, coordinate, placements)
+        except ValueError as e:
+            raise _Refused(str(e)) from None
+        writes = chunk.numel > 0 and writes_at(coordinate, placements)
+    ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())  # type: ignore[attr-defined]
+    return _Facts(shape, tuple(map(repr, placements)), mesh_shape, ranks, chunk, writes)
 
 
 def _as_chunk(sizes: Sequence[int], offsets: Sequence[int]) -> Chunk:
