@@ -1,11 +1,12 @@
-"""The ``aiockpt`` command: list, inspect, verify and prune a checkpoint root.
+"""The ``aiockpt`` command: list, inspect, verify, prune and export a checkpoint root.
 
-``aiockpt ls ROOT``, ``aiockpt show ROOT STEP``, ``aiockpt verify ROOT [STEP]`` and
-``aiockpt prune ROOT [--keep-…] [--yes]``. ROOT is a local path or any URL the storage registry
-serves. Exit codes: 0 done (and intact), 1 corruption found or the storage failed, 2 a mistake
-in the command line or a root without checkpoints. It imports neither torch nor the manager:
-manifests are read (and validated as untrusted) and bytes checked through the storage layer
-the daemon uses, so it starts fast.
+``aiockpt ls ROOT``, ``aiockpt show ROOT STEP``, ``aiockpt verify ROOT [STEP]``,
+``aiockpt prune ROOT [--keep-…] [--yes]`` and ``aiockpt export ROOT OUT --step N`` (whole
+tensors as plain safetensors, see :mod:`aiockpt._export`). ROOT is a local path or any URL the
+storage registry serves. Exit codes: 0 done (and intact), 1 corruption found or the storage
+failed, 2 a mistake in the command line or a root without checkpoints. It imports neither
+torch nor the manager: manifests are read (and validated as untrusted) and bytes checked
+through the storage layer the daemon uses, so it starts fast.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, TextIO
 
+from . import _export
 from ._core import format as fmt
 from ._core.catalog import Catalog
 from ._core.tree import plain_values
@@ -275,12 +277,28 @@ def cmd_show(args: argparse.Namespace) -> int:
         out.write(f"metrics   {format_metrics(m.metrics)}\n")
     if m.metadata:
         out.write(f"metadata  {json.dumps(m.metadata, ensure_ascii=False, sort_keys=True)}\n")
+    if m.dtensors:
+        show_dtensors(m, out)
     for shard in sorted(m.shards, key=lambda s: s.rank):
-        records = m.tensors[shard.file]
         tree = m.trees[shard.rank]
-        fmt.check_tree(tree, set(records), path=root.where(f"{entry.dirname}/{fmt.MANIFEST}"))
+        fmt.check_tree(
+            tree,
+            set(m.tensors[shard.file]),
+            path=root.where(f"{entry.dirname}/{fmt.MANIFEST}"),
+            dtensor_names=set(m.dtensors),
+        )
+        # The shard's chunks of distributed tensors are in the table above.
+        records = {
+            name: r
+            for name, r in m.tensors[shard.file].items()
+            if name not in m.dtensors and name != fmt.PAD_NAME
+        }
+        chunks = sum(c.shard == shard.file for d in m.dtensors.values() for c in d.chunks)
         title = "tensors" if m.world_size == 1 else f"rank {shard.rank}: tensors"
-        out.write(f"\n{title} ({len(records)}, {human_bytes(shard.nbytes)} in {shard.file})\n")
+        extra = f", and {plural(chunks, 'chunk')} of distributed tensors" if chunks else ""
+        out.write(
+            f"\n{title} ({len(records)}, {human_bytes(shard.nbytes)} in {shard.file}{extra})\n"
+        )
         if records:
             rows = [["KEY", "DTYPE", "SHAPE", "BYTES"]]
             for name, r in sorted(records.items()):
@@ -291,6 +309,27 @@ def cmd_show(args: argparse.Namespace) -> int:
             out.write(f"\n{'values' if m.world_size == 1 else f'rank {shard.rank}: values'}\n")
             table([["KEY", "VALUE"], *([k, v] for k, v in values)], out)
     return 0
+
+
+def show_dtensors(m: fmt.Manifest, out: TextIO) -> None:
+    """The table of a checkpoint's distributed tensors: global dtype and shape, how they were
+    placed on which mesh, and how many chunks hold them."""
+    total = sum(d.nbytes for d in m.dtensors.values())
+    out.write(f"\ndistributed tensors ({len(m.dtensors)}, {human_bytes(total)})\n")
+    rows = [["KEY", "DTYPE", "SHAPE", "PLACEMENTS", "MESH", "CHUNKS", "BYTES"]]
+    for name, d in sorted(m.dtensors.items()):
+        rows.append(
+            [
+                name,
+                d.dtype,
+                str(list(d.shape)),
+                f"[{', '.join(d.placements)}]",
+                str(list(d.mesh)),
+                str(len(d.chunks)),
+                str(d.nbytes),
+            ]
+        )
+    table(rows, out, right=(5, 6))
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -310,9 +349,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 problems = []
                 advance = functools.partial(progress.advance, label=f"step {e.step}")
                 for shard in e.manifest.shards:
-                    problems += root.catalog.verify_shard(
-                        e.step, shard, e.manifest.tensors[shard.file], advance
-                    )
+                    problems += _export.verify_shard(root.catalog, e.manifest, shard, advance)
             progress.close()
             if problems:
                 bad += 1
@@ -329,6 +366,40 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"{bad} of {plural(n, 'checkpoint')} corrupt", file=sys.stderr)
         return 1
     print(f"{'all ' if n > 1 else ''}{plural(n, 'checkpoint')} intact", file=sys.stderr)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """``aiockpt export``: one step's tensors, whole, as plain safetensors (see _export)."""
+    root = scan(open_root(args.root, args.storage_options), args.root, steps=[args.step])
+    require_checkpoints(root)
+    entry = require_step(root, args.step)
+    if entry.manifest is None:
+        print(f"aiockpt: {entry.error}", file=sys.stderr)
+        return 1
+    progress = Progress(entry.manifest.nbytes, sys.stderr)
+
+    def advance(n: int, total: int) -> None:
+        progress.total = max(total, 1)  # what is written, not the whole checkpoint
+        progress.advance(n, f"export step {args.step}")
+
+    try:
+        done = _export.export(
+            root.catalog,
+            entry.manifest,
+            args.out,
+            prefix=args.prefix,
+            max_shard_size=args.max_shard_size,
+            progress=advance,
+        )
+    except _export.ExportError as e:
+        raise UsageError(str(e)) from None
+    finally:
+        progress.close()
+    files = f" in {plural(len(done.files), 'file')}" if done.index else ""
+    print(
+        f"wrote {plural(done.tensors, 'tensor')} ({human_bytes(done.nbytes)}){files} to {args.out}"
+    )
     return 0
 
 
@@ -467,6 +538,14 @@ def best_spec(text: str) -> BestN:
     return BestN(positive_int(n), metric, mode)  # type: ignore[arg-type]
 
 
+def size_arg(text: str) -> int:
+    """A size such as ``5GB``, ``500MB`` or ``10KiB`` (see _export.parse_size)."""
+    try:
+        return _export.parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def storage_option(text: str) -> tuple[str, Any]:
     """A ``KEY=VALUE`` storage option, VALUE parsed as JSON when it can be."""
     key, sep, raw = text.partition("=")
@@ -505,12 +584,23 @@ def build_parser() -> tuple[Parser, dict[str, Parser]]:
     p.set_defaults(func=cmd_ls)
 
     p = sub.add_parser("show", parents=[common], help="tensors and values of one checkpoint")
-    p.add_argument("step", metavar="STEP", type=step_arg)
+    add_step(p, required=True)
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("verify", parents=[common], help="re-read and check every checksum")
-    p.add_argument("step", metavar="STEP", type=step_arg, nargs="?", help="only this step")
+    add_step(p, required=False)
     p.set_defaults(func=cmd_verify)
+
+    add_export(
+        sub.add_parser(
+            "export",
+            parents=[common],
+            help="write one checkpoint's tensors, whole, as plain safetensors",
+            description="Write the tensors of step N (distributed tensors assembled whole) as a "
+            "safetensors file OUT; with --max-shard-size, as the directory OUT in the Hugging Face "
+            "layout.",
+        )
+    )
 
     p = sub.add_parser(
         "prune",
@@ -547,6 +637,44 @@ def build_parser() -> tuple[Parser, dict[str, Parser]]:
     return parser, dict(sub.choices)
 
 
+def add_export(p: Parser) -> None:
+    """The arguments of ``export``."""
+    p.add_argument(
+        "out", metavar="OUT", help="the file to write (a directory with --max-shard-size)"
+    )
+    p.add_argument("--step", metavar="N", type=step_arg, required=True, help="the step to export")
+    p.add_argument(
+        "--prefix",
+        metavar="P",
+        help="only the tensors under key path P (e.g. model), named by the rest of their path",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        metavar="SIZE",
+        type=size_arg,
+        help="OUT is a directory of files of at most SIZE tensor bytes each (5GB, 500MiB)",
+    )
+    p.set_defaults(func=cmd_export)
+
+
+def add_step(p: Parser, *, required: bool) -> None:
+    """A step given as STEP or as --step N (as export takes it), one of them."""
+    p.add_argument("step", metavar="STEP", type=step_arg, nargs="?", help="the step")
+    p.add_argument("--step", dest="step_option", metavar="N", type=step_arg, help="the step")
+    p.set_defaults(step_required=required)
+
+
+def resolve_step(args: argparse.Namespace) -> None:
+    """One step from STEP or --step, when the command takes it so."""
+    option = getattr(args, "step_option", None)
+    if option is not None:
+        if args.step is not None and args.step != option:
+            raise UsageError(f"two steps given: {args.step} and --step {option}")
+        args.step = option
+    if getattr(args, "step_required", False) and args.step is None:
+        raise UsageError("the following arguments are required: STEP (or --step N)")
+
+
 def parse(argv: Sequence[str]) -> argparse.Namespace:
     """The parsed command line."""
     parser, commands = build_parser()
@@ -555,6 +683,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         # (argparse cannot intermix through subparsers, hence the dispatch by hand.)
         args = commands[argv[0]].parse_intermixed_args(argv[1:])
         args.command = argv[0]
+        resolve_step(args)
         return args
     return parser.parse_args(argv)  # help, or an error about the command
 
