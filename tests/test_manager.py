@@ -490,7 +490,7 @@ async def test_load_into_reads_through_the_staging_slab_without_aliasing_it(root
         target = {"model": model2, "optim": opt2, "extra": torch.zeros(1000)}
         await mgr.load(1, into=target)
         del target["extra"]
-        await mgr.load(1, into=target)  # "extra" is now handed over, not copied into
+        await mgr.load(1, into=target, strict=False)  # "extra" is handed over, not copied
         assert mgr._pool.busy == 0
         # The next saves overwrite the slabs with other bytes.
         for step in (2, 3):

@@ -10,8 +10,11 @@ the one range of the chunk that holds them. Only that range is read:
 - a chunk used in part (a finer layout) is read block-aligned, each ``block_bytes`` block
   checked against its block crc32c, and the runs copied into place.
 
-So a reshard reads at most two blocks per chunk more than it uses, and every byte it uses was
-checked. Checksums run on the daemon's pool while the next chunk is read.
+Every byte used is checked. Where the overlap is one run (FSDP's dim-0 sharding, however the
+rows are redistributed) a chunk's read exceeds what is used by at most one block at each end;
+where it is strided (a dim-1 chunk read into dim-0 boxes) the one range also spans the gaps
+between the runs, which costs bytes but keeps it one request. Checksums run on the daemon's
+pool while the next chunk is read.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from .._core import format as fmt
 from .._core.gc import gc_paused, no_gc
 from .._core.protocol import LoadReply, SlabRef, TensorAt, Wanted
 from ..errors import CheckpointError, CorruptCheckpointError, InvalidStepError
+from ..events import logger
 from .ledger import Emit
 from .staging import LayoutCache, SlabPool, copy_pairs
 from .state import ST_TO_TORCH, TORCH_TO_ST, Flat, Flattener, StaleFlat, load_into, unflatten
@@ -41,7 +42,7 @@ class Loader:
         self._layouts = layouts
         self._pool = pool
 
-    async def load(self, step: int | None, into: Any) -> Any:
+    async def load(self, step: int | None, into: Any, strict: bool = True) -> Any:
         """See AsyncCheckpointManager.load."""
         op = uuid_mod.uuid4().hex
         t0 = time.monotonic()
@@ -54,7 +55,7 @@ class Loader:
                 with gc_paused():  # 20k fresh views and containers: see gc_paused
                     result = unflatten(reply.tree, map_loaded(reply))
             else:
-                reply, result = await self._load_into(step, into)
+                reply, result = await self._load_into(step, into, strict)
         except BaseException as e:
             self._emit("load.exception", uuid=op, step=step, error=e)
             raise
@@ -68,7 +69,7 @@ class Loader:
         )
         return result
 
-    async def _load_into(self, step: int | None, into: Any) -> tuple[LoadReply, Any]:
+    async def _load_into(self, step: int | None, into: Any, strict: bool) -> tuple[LoadReply, Any]:
         """Restore into existing objects, reading through a warm staging slab when one fits.
 
         The slab is the one the next save of this state will use anyway: the daemon reads
@@ -106,12 +107,28 @@ class Loader:
                 owned = False
             else:
                 tensors, owned = map_loaded(reply), True
-            result = await anyio.to_thread.run_sync(
+            restored = await anyio.to_thread.run_sync(
                 functools.partial(
-                    load_into, into, reply.tree, tensors, owned=owned, copy=copy_pairs, held=held
+                    load_into,
+                    into,
+                    reply.tree,
+                    tensors,
+                    owned=owned,
+                    copy=copy_pairs,
+                    held=held,
+                    strict=strict,
                 )
             )
             del tensors
+            result = restored.value
+            if restored.only_saved or restored.only_target:
+                logger.warning(
+                    "load(strict=False) of step %d: added to the target (saved, not in it): "
+                    "%s; left as they were (in the target, not saved): %s",
+                    reply.step,
+                    list(restored.only_saved) or "none",
+                    list(restored.only_target) or "none",
+                )
         finally:
             if slab is not None:
                 self._pool.release(slab.name)

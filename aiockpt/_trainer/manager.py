@@ -287,8 +287,13 @@ class AsyncCheckpointManager:
         order = best_order(records, metric, mode)
         return records[order[0]].step if order else None
 
-    async def load(self, step: int | None = None, *, into: Any = None) -> Any:
+    async def load(self, step: int | None = None, *, into: Any = None, strict: bool = True) -> Any:
         """The state saved at ``step`` (latest committed when None). With ``into``, restore in
-        place into its tensors and stateful objects and return it."""
+        place into its tensors and stateful objects and return it: checked whole first (keys,
+        shapes, dtypes; with ``strict`` the saved keys and ``into``'s must be the same), so a
+        load that fails leaves ``into`` as it was. ``strict=False`` restores what matches,
+        adds saved keys ``into`` lacks, and logs both differences."""
         self._check_open()
-        return await self._loader.load(step, into)
+        if not isinstance(strict, bool):
+            raise TypeError(f"strict must be a bool, not {type(strict).__name__}")
+        return await self._loader.load(step, into, strict)

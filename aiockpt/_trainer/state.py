@@ -425,6 +425,49 @@ def local_part(held: Any, src: torch.Tensor, path: str) -> torch.Tensor | None:
     )
 
 
+def _dry_run(obj: Any, value: Any, path: str) -> None:
+    """Raise LoadMismatchError for what ``obj.load_state_dict(value)`` would refuse, where that
+    can be told without calling it: a module's missing or unexpected keys and tensor shapes,
+    an optimizer's parameter groups and their sizes."""
+    where = path or "<root>"
+    if isinstance(obj, torch.nn.Module) and isinstance(value, Mapping):
+        own = obj.state_dict()
+        missing = [k for k in own if k not in value]
+        unexpected = [k for k in value if k not in own]
+        if missing or unexpected:
+            raise LoadMismatchError(
+                f"{where}: the module's load_state_dict would refuse the saved state dict "
+                f"(missing: {_listed(missing) or 'none'}; unexpected: "
+                f"{_listed(unexpected) or 'none'})"
+            )
+        for k, mine in own.items():
+            saved = value[k]
+            if (
+                isinstance(mine, torch.Tensor)
+                and isinstance(saved, torch.Tensor)
+                and mine.shape != saved.shape
+            ):
+                raise LoadMismatchError(
+                    f"{_path(path, k)}: saved {saved.dtype}{list(saved.shape)} does not "
+                    f"fit {mine.dtype}{list(mine.shape)}"
+                )
+    elif isinstance(obj, torch.optim.Optimizer) and isinstance(value, Mapping):
+        groups = value.get("param_groups")
+        if not isinstance(groups, list) or len(groups) != len(obj.param_groups):
+            n = len(groups) if isinstance(groups, list) else "no"
+            raise LoadMismatchError(
+                f"{where}: saved {n} parameter groups, the optimizer has {len(obj.param_groups)}"
+            )
+        for i, (saved, mine) in enumerate(zip(groups, obj.param_groups, strict=True)):
+            params = saved.get("params") if isinstance(saved, Mapping) else None
+            if not isinstance(params, list) or len(params) != len(mine["params"]):
+                raise LoadMismatchError(
+                    f"{where}: parameter group {i} was saved with "
+                    f"{len(params) if isinstance(params, list) else 'no'} parameters, the "
+                    f"optimizer's has {len(mine['params'])}"
+                )
+
+
 def _as_dtensor(held: Any, src: torch.Tensor, path: str) -> Any:
     """A DTensor placed like ``held`` holding this rank's chunk of ``src``."""
     from torch.distributed.tensor import DTensor
@@ -457,24 +500,55 @@ def load_into(
     owned: bool = True,
     copy: Callable[[list[torch.Tensor], list[torch.Tensor]], None] = torch._foreach_copy_,
     held: Mapping[str, Any] | None = None,
+    strict: bool = True,
 ) -> Any:
     """Restore ``tree`` into ``target`` in place where it can; return the restored value.
 
-    Tensors are copied into the target's tensors (a DTensor's: into its local tensor), all in
-    one ``copy(targets, sources)`` call at the end; anything else gets ``tensors``
-    themselves, or clones of them when they are not ``owned`` (views of a buffer that will
-    be reused). ``held`` has the target's DTensors by key path (dtensor.Held).
+    Everything is checked before anything changes: keys (with ``strict``: the saved keys and
+    the target's keys of every dict must be the same), tensor shapes and dtypes, and what a
+    module's or optimizer's load_state_dict would refuse. A mismatch raises
+    :class:`LoadMismatchError` and leaves ``target`` as it was. Then tensors are copied into
+    the target's tensors (a DTensor's: into its local tensor), all in one ``copy(targets,
+    sources)`` call; anything else gets ``tensors`` themselves, or clones of them when they
+    are not ``owned`` (views of a buffer that will be reused). ``held`` has the target's
+    DTensors by key path (dtensor.Held). Without ``strict``, saved keys the target lacks are
+    added to it and target keys the checkpoint lacks are left as they are; the returned
+    Restored says which.
     """
     restorer = _Restorer(tensors, owned, held or {})
     result = restorer.restore(target, tree, "")
+    if strict and (restorer.only_saved or restorer.only_target):
+        raise LoadMismatchError(restorer.key_difference())
     if restorer.dsts:
         with torch.no_grad():
             copy(restorer.dsts, restorer.srcs)
-    return result
+    for container, key, value in restorer.sets:
+        container[key] = value
+    for obj, value in restorer.loads:
+        obj.load_state_dict(value)
+    return Restored(result, tuple(restorer.only_saved), tuple(restorer.only_target))
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    """What load_into did: the restored value, and the key paths the checkpoint and the target
+    did not share."""
+
+    value: Any
+    #: Saved key paths the target lacked (added to it).
+    only_saved: tuple[str, ...] = ()
+    #: Target key paths the checkpoint lacked (left as they were).
+    only_target: tuple[str, ...] = ()
+
+
+def _listed(paths: list[str], limit: int = 10) -> str:
+    shown = ", ".join(paths[:limit])
+    return shown + (f", … ({len(paths)} in all)" if len(paths) > limit else "")
 
 
 class _Restorer:
-    """One load_into: the walk of the target against the tree, and the copies it collects."""
+    """One load_into: the walk of the target against the tree, checking as it goes and
+    collecting what to change; nothing changes until the walk is over."""
 
     def __init__(
         self, tensors: Mapping[str, torch.Tensor], owned: bool, held: Mapping[str, Any]
@@ -484,6 +558,23 @@ class _Restorer:
         self.held = held
         self.dsts: list[torch.Tensor] = []
         self.srcs: list[torch.Tensor] = []
+        #: (container, key, value): an item to set; (object, state dict): a load_state_dict.
+        self.sets: list[tuple[Any, Any, Any]] = []
+        self.loads: list[tuple[Any, Any]] = []
+        self.only_saved: list[str] = []
+        self.only_target: list[str] = []
+
+    def key_difference(self) -> str:
+        parts = []
+        if self.only_saved:
+            parts.append(f"saved but not in the target: {_listed(self.only_saved)}")
+        if self.only_target:
+            parts.append(f"in the target but not saved: {_listed(self.only_target)}")
+        return (
+            "the checkpoint and the target hold different keys ("
+            + "; ".join(parts)
+            + "); nothing was restored (strict=False restores what matches)"
+        )
 
     def restore(self, target: Any, tree: Any, path: str) -> Any:
         """The restored value of ``target``, found at key path ``path``."""
@@ -492,20 +583,31 @@ class _Restorer:
             return self.tensor(target, tag, body, path)
         if is_stateful(target):
             inner = body if tag == STATEFUL else tree
-            target.load_state_dict(unflatten(inner, self.fresh, self.held))
+            value = unflatten(inner, self.fresh, self.held)
+            _dry_run(target, value, path)
+            self.loads.append((target, value))
             return target
         if tag == STATEFUL:
             tag, body = next(iter(body.items()))
         if isinstance(target, dict) and tag == DICT:
+            saved = set()
             for k, node in body:
+                saved.add(k)
+                child = _path(path, k)
                 if k in target:
-                    target[k] = self.restore(target[k], node, _path(path, k))
+                    value = self.restore(target[k], node, child)
+                    if value is not target[k]:
+                        self.sets.append((target, k, value))
                 else:
-                    target[k] = unflatten(node, self.fresh)
+                    self.only_saved.append(child)
+                    self.sets.append((target, k, unflatten(node, self.fresh)))
+            self.only_target.extend(_path(path, k) for k in target if k not in saved)
             return target
         if isinstance(target, list) and tag in (LIST, TUPLE) and len(target) == len(body):
             for i, node in enumerate(body):
-                target[i] = self.restore(target[i], node, _path(path, i))
+                value = self.restore(target[i], node, _path(path, i))
+                if value is not target[i]:
+                    self.sets.append((target, i, value))
             return target
         return unflatten({tag: body}, self.fresh)
 
