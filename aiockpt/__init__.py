@@ -13,6 +13,8 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "AsyncCheckpointManager": "._trainer.manager",
+    "CheckpointManager": "._trainer.sync",
+    "SyncSaveHandle": "._trainer.sync",
     "CheckpointInfo": "._core.protocol",
     "SaveHandle": "._trainer.ledger",
     "AnyOf": ".retention",
@@ -37,6 +39,7 @@ __all__ = [
     "BestN",
     "CheckpointError",
     "CheckpointInfo",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "DaemonDiedError",
@@ -48,6 +51,7 @@ __all__ = [
     "SaveHandle",
     "ScopeTracker",
     "StorageError",
+    "SyncSaveHandle",
     "UnsupportedValueError",
 ]
 
@@ -55,6 +59,7 @@ if TYPE_CHECKING:
     from ._core.protocol import CheckpointInfo
     from ._trainer.ledger import SaveHandle
     from ._trainer.manager import AsyncCheckpointManager
+    from ._trainer.sync import CheckpointManager, SyncSaveHandle
     from .errors import (
         CheckpointError,
         CheckpointNotFoundError,

@@ -7,6 +7,7 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 
 from .._core.protocol import CheckpointInfo, SaveDone
 from ..errors import CheckpointError, InvalidStepError, StepExistsError
@@ -19,6 +20,8 @@ class SaveHandle:
         self.step = step
         self.uuid = uuid
         self._event = anyio.Event()
+        #: The event loop of the manager that made it: only that loop can wait on it.
+        self._loop = loop_token()
         self._info: CheckpointInfo | None = None
         self._error: BaseException | None = None
 
@@ -35,6 +38,8 @@ class SaveHandle:
 
     async def wait(self) -> CheckpointInfo:
         """The committed checkpoint; raises the save's error if it failed."""
+        if not self._event.is_set():
+            check_loop(self._loop, "a SaveHandle")
         await self._event.wait()
         if self._error is not None:
             raise self._error
@@ -47,6 +52,25 @@ class SaveHandle:
     def __repr__(self) -> str:
         state = "pending" if not self.done() else ("failed" if self._error else "committed")
         return f"<SaveHandle step={self.step} {state}>"
+
+
+def loop_token() -> Any:
+    """The running event loop (None outside one)."""
+    try:
+        return anyio.lowlevel.current_token()
+    except RuntimeError:
+        return None
+
+
+def check_loop(token: Any, what: str) -> None:
+    """Refuse, with a RuntimeError that says what to do, a wait from an event loop other than
+    the one ``token`` names: it would never wake (the manager's tasks run on their own loop)."""
+    if token is not None and loop_token() != token:
+        raise RuntimeError(
+            f"{what} is bound to the event loop of the manager that made it, and this is "
+            "another one (e.g. a new asyncio.run() per call): it would wait forever. Use the "
+            "manager within one event loop, or aiockpt.CheckpointManager from synchronous code"
+        )
 
 
 #: ``emit(name, **fields)``: how the ledger reports a save's end (the manager's dispatcher).

@@ -36,7 +36,7 @@ from ..retention import CheckpointRecord, RetentionPolicy, best_order
 from . import checks
 from . import dist as _dist
 from .client import DaemonCallbacks, DaemonClient, SubprocessClient
-from .ledger import Ledger, SaveHandle
+from .ledger import Ledger, SaveHandle, check_loop, loop_token
 from .loading import Loader
 from .mirror import DaemonMirror
 from .saving import Saver
@@ -83,6 +83,7 @@ class AsyncCheckpointManager:
         self._handlers = list(event_handlers)
         self.events = EventDispatcher(self._handlers)
         self._state = "new"
+        self._loop: Any = None
         self._exit_stack: contextlib.AsyncExitStack | None = None
         self._sigterm: SigtermFlush | None = None
         self._pool = SlabPool(max_pending)
@@ -164,6 +165,7 @@ class AsyncCheckpointManager:
             await self._shutdown()
             raise
         self._state = "open"
+        self._loop = loop_token()
 
     async def aclose(self) -> None:
         """Wait for pending saves, stop the daemon, and free every shared-memory segment."""
@@ -206,6 +208,7 @@ class AsyncCheckpointManager:
         self._pool.close()
 
     def _check_open(self) -> None:
+        check_loop(self._loop, "the manager")
         if self._state != "open":
             raise ManagerClosedError(
                 "the manager is not open; use `async with AsyncCheckpointManager(...)`"
