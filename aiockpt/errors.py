@@ -58,9 +58,19 @@ def _rebuild(cls, args, state):
 class UnsupportedValueError(CheckpointError, TypeError):
     """A value in the state that aiockpt cannot save; the message names its key path."""
 
-    def __init__(self, path: str, message: str) -> None:
-        super().__init__(f"{path or '<root>'}: {message}")
+    def __init__(
+        self, path: str, message: str, *, more: list[tuple[str, str]] | None = None
+    ) -> None:
+        text = f"{path or '<root>'}: {message}"
+        if more:
+            text += f"; and {len(more)} more: " + "; ".join(
+                f"{p or '<root>'}: {m}" for p, m in more
+            )
+        super().__init__(text)
         self.path = path
+        self.reason = message
+        #: Every refused value of the state, (key path, why), the first one first.
+        self.problems: list[tuple[str, str]] = [(path, message), *(more or [])]
 
 
 class InvalidStepError(CheckpointError, ValueError):

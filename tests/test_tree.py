@@ -13,7 +13,7 @@ import torch
 from aiockpt._core import format as fmt
 from aiockpt._core import tree
 from aiockpt._trainer.state import flatten, unflatten
-from aiockpt.errors import CorruptCheckpointError
+from aiockpt.errors import CorruptCheckpointError, UnsupportedValueError
 
 
 class Stateful:
@@ -199,3 +199,31 @@ def test_manifest_metrics_take_the_same_non_finite_strings():
         assert fmt._is_metric(text)
     assert not fmt._is_metric("NaN")
     assert fmt._is_metric(tree.encode_float(float("-inf")))
+
+
+def test_every_unsupported_value_of_a_state_is_named_in_one_error():
+    class Opaque:
+        pass
+
+    state = {
+        "model": {"w": torch.zeros(2), "bad": Opaque(), 3.5: 1},
+        "sparse": torch.zeros(2, 2).to_sparse(),
+        "fine": [1, 2, {"nul": "a\x00b"}],
+        "ok": torch.ones(1),
+    }
+    with pytest.raises(UnsupportedValueError) as info:
+        flatten(state)
+    paths = [p for p, _ in info.value.problems]
+    assert paths == ["model/bad", "model/3.5", "sparse", "fine/2/nul"]
+    message = str(info.value)
+    assert message.startswith("model/bad: values of type")
+    assert "and 3 more: model/3.5: dict keys must be str or int" in message
+    assert "fine/2/nul: strings with NUL characters" in message
+    assert info.value.path == "model/bad"
+
+
+def test_one_unsupported_value_is_reported_as_before():
+    with pytest.raises(UnsupportedValueError) as info:
+        flatten({"a": object()})
+    assert info.value.problems == [("a", info.value.reason)]
+    assert "more" not in str(info.value)

@@ -7,6 +7,7 @@ value, or an object with state_dict()/load_state_dict() is refused with its key 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import sys
@@ -187,7 +188,12 @@ class _Walk:
         # again and again (measured: it doubled flatten's time at 20k tensors). Nothing here
         # is cyclic.
         with gc_paused():
-            tree = self.walk(state, "", 0)
+            try:
+                tree = self.walk(state, "", 0)
+            except UnsupportedValueError as first:
+                if isinstance(self, _Collecting):
+                    raise
+                raise _every_problem(state, first) from None
         return Flat(
             self.names,
             self.tensors,
@@ -247,8 +253,8 @@ class _Walk:
         prefix = f"{path}/" if path else ""
         add_tensor, walk = self.add_tensor, self.walk
         for k, v in value.items():
-            if type(k) is not str or "\x00" in k:
-                _check_key(k, path)
+            if (type(k) is not str or "\x00" in k) and not self.key_ok(k, path):
+                continue
             child = f"{prefix}{k}"
             if type(v) in _PLAIN_TENSORS:
                 items.append([k, {TENSOR: add_tensor(v, child)}])
@@ -257,6 +263,11 @@ class _Walk:
             else:
                 items.append([k, walk(v, child, depth + 1)])
         return {DICT: items}
+
+    def key_ok(self, key: Any, path: str) -> bool:
+        """True for a key the tree can hold; else raises UnsupportedValueError."""
+        _check_key(key, path)
+        return True
 
     def fragment(self, value: Mapping, path: str) -> str | None:
         """The mapping as a fragment reference, or None when it is not all tensors."""
@@ -349,6 +360,55 @@ class _Walk:
         self.tensors.append(t)
         self.key.append((path, dtype, t.shape))
         return path
+
+
+class _Collecting(_Walk):
+    """A walk that records every value it refuses and goes on: what a refused state is walked
+    again with, so that one error names every key path at fault, not one per attempt."""
+
+    __slots__ = ("problems",)
+
+    def __init__(self) -> None:
+        super().__init__(None, None)
+        self.problems: list[UnsupportedValueError] = []
+
+    def walk(self, value: Any, path: str, depth: int) -> Any:
+        try:
+            return super().walk(value, path, depth)
+        except UnsupportedValueError as e:
+            self.problems.append(e)
+            return {VALUE: None}
+
+    def tensor_node(self, t: torch.Tensor, path: str) -> dict[str, str]:
+        try:
+            return super().tensor_node(t, path)
+        except UnsupportedValueError as e:
+            self.problems.append(e)
+            return {VALUE: None}  # type: ignore[dict-item]
+
+    def add_tensor(self, t: torch.Tensor, path: str) -> str:
+        try:
+            return super().add_tensor(t, path)
+        except UnsupportedValueError as e:
+            self.problems.append(e)
+            return path
+
+    def key_ok(self, key: Any, path: str) -> bool:
+        try:
+            return super().key_ok(key, path)
+        except UnsupportedValueError as e:
+            self.problems.append(e)
+            return False
+
+
+def _every_problem(state: Any, first: UnsupportedValueError) -> UnsupportedValueError:
+    """One error naming every value of ``state`` that cannot be saved (``first`` was the
+    first found)."""
+    walk = _Collecting()
+    with contextlib.suppress(Exception):  # a state_dict() failing the second time
+        walk.walk(state, "", 0)
+    found = [(p, m) for e in walk.problems for p, m in e.problems] or first.problems
+    return UnsupportedValueError(found[0][0], found[0][1], more=found[1:])
 
 
 def _dtensor_type() -> type | None:
