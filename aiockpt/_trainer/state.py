@@ -150,6 +150,7 @@ class _Walk:
 
     __slots__ = (
         "active",
+        "by_ptr",
         "cuda",
         "dtensors",
         "fragments",
@@ -177,6 +178,9 @@ class _Walk:
         self.cuda = False
         self.trusted = True
         self.dtensors: list[Any] = []
+        #: The first name and tensor staged at each data pointer, to find a tensor saved under
+        #: two keys.
+        self.by_ptr: dict[int, tuple[str, torch.Tensor]] = {}
 
     def flatten(self, state: Any) -> Flat:
         """The Flat of ``state``, a mapping or a stateful object."""
@@ -269,8 +273,9 @@ class _Walk:
         _check_key(key, path)
         return True
 
-    def fragment(self, value: Mapping, path: str) -> str | None:
-        """The mapping as a fragment reference, or None when it is not all tensors."""
+    def fragment(self, value: Mapping, path: str) -> str | dict | None:
+        """The mapping as a fragment reference; None when it is not all tensors; its plain
+        node when it holds a tensor met before."""
         keys = tuple(value)
         values = list(value.values())
         if not set(map(type, values)) <= _PLAIN_TENSORS or set(map(type, keys)) != {str}:
@@ -284,6 +289,11 @@ class _Walk:
             first, was_cuda = len(self.names), self.cuda
             self.cuda = False
             node = self.mapping(value, path, 0)
+            if len(self.names) - first != len(values):
+                # A tensor of it was met before: a tied weight. Its node names the first key,
+                # which reuse on trust could not check: it stays a plain mapping.
+                self.cuda = self.cuda or was_cuda
+                return node
             frag = Fragment(next(_fragment_ids), keys, tuple(self.names[first:]), node, self.cuda)
             self.cuda = self.cuda or was_cuda
             del self.key[len(self.key) - len(frag.names) :]  # the fragment's id stands for them
@@ -329,14 +339,15 @@ class _Walk:
             )
         self.dtensors.append(held)
         if held.writes:
-            self.add_tensor(t._local_tensor, path)
+            self.add_tensor(t._local_tensor, path, alias=False)  # its own chunk, always
         else:
             self.seen.add(path)
         self.key.append((DTENSOR, path, t.dtype, *held.key))
         return path
 
-    def add_tensor(self, t: torch.Tensor, path: str) -> str:
-        """Record tensor ``t`` under its name ``path``; return the name."""
+    def add_tensor(self, t: torch.Tensor, path: str, *, alias: bool = True) -> str:
+        """Record tensor ``t`` under its name ``path``; return the name (with ``alias``, the
+        name of the same tensor met before under another key, if any)."""
         # The hot loop at 20k tensors: few attribute reads, no detach (copy_ runs under
         # no_grad), and (name, dtype, shape) kept for the layout cache's key.
         dtype = t.dtype
@@ -356,6 +367,13 @@ class _Walk:
         if not t.is_cpu:
             self.cuda = True
         seen.add(path)
+        ptr = t.data_ptr()
+        first = self.by_ptr.get(ptr) if alias else None
+        if first is not None and _same_tensor(first[1], t):
+            # The same tensor under another key (tied weights): stored once, both keys name it.
+            self.key.append(("=", path, first[0]))
+            return first[0]
+        self.by_ptr[ptr] = (path, t)
         self.names.append(path)
         self.tensors.append(t)
         self.key.append((path, dtype, t.shape))
@@ -386,9 +404,9 @@ class _Collecting(_Walk):
             self.problems.append(e)
             return {VALUE: None}  # type: ignore[dict-item]
 
-    def add_tensor(self, t: torch.Tensor, path: str) -> str:
+    def add_tensor(self, t: torch.Tensor, path: str, *, alias: bool = True) -> str:
         try:
-            return super().add_tensor(t, path)
+            return super().add_tensor(t, path, alias=alias)
         except UnsupportedValueError as e:
             self.problems.append(e)
             return path
@@ -409,6 +427,18 @@ def _every_problem(state: Any, first: UnsupportedValueError) -> UnsupportedValue
         walk.walk(state, "", 0)
     found = [(p, m) for e in walk.problems for p, m in e.problems] or first.problems
     return UnsupportedValueError(found[0][0], found[0][1], more=found[1:])
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (at one data pointer) are views of the same bytes: same dtype,
+    device, shape and strides, and not empty."""
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.device == b.device
+        and a.stride() == b.stride()
+        and a.numel() > 0
+    )
 
 
 def _dtensor_type() -> type | None:
