@@ -20,7 +20,7 @@ from .dtable import BLOCK_BYTES, DTensorRecord, parse_dtensors
 from .dtypes import DTYPE_SIZES as DTYPE_SIZES
 from .gc import no_gc
 from .tree import MAX_TREE_DEPTH as MAX_TREE_DEPTH
-from .tree import NON_FINITE
+from .tree import NON_FINITE, V2_TAGS
 from .tree import bounded_repr as _short
 from .tree import check_tree as check_tree
 
@@ -29,7 +29,8 @@ FORMAT = "aiockpt"
 #: readers of version 1 keep reading it.
 VERSION = 1
 #: The version of a checkpoint with distributed tensors (its ``dtensors`` table and "X" tree
-#: nodes); a version-1 reader refuses it by its version.
+#: nodes), numpy values or torch generators (tree.V2_TAGS); a version-1 reader refuses it by
+#: its version.
 DTENSOR_VERSION = 2
 VERSIONS = (VERSION, DTENSOR_VERSION)
 MANIFEST = "manifest.json"
@@ -269,13 +270,14 @@ def manifest_json(
     metrics: dict[str, Any],
     metadata: dict[str, Any],
     dtensors_json: str | None = None,
+    version: int | None = None,
 ) -> bytes:
     """The manifest text. ``tensors_json``, ``trees_json`` and ``dtensors_json`` (the table
     of distributed tensors, None when there are none) come pre-encoded (large, cached)."""
     head = json.dumps(
         {
             "format": FORMAT,
-            "version": VERSION if dtensors_json is None else DTENSOR_VERSION,
+            "version": version or (VERSION if dtensors_json is None else DTENSOR_VERSION),
             "step": step,
             "created_at": created_at,
             "world_size": world_size,
@@ -292,6 +294,11 @@ def manifest_json(
     if dtensors_json is not None:
         text += f',"block_bytes":{BLOCK_BYTES},"dtensors":' + dtensors_json
     return (text + "}").encode()
+
+
+def tree_version(tree_json: str) -> int:
+    """The format version a tree's JSON text needs: 2 when it holds a node of tree.V2_TAGS."""
+    return DTENSOR_VERSION if any(f'{{"{t}":' in tree_json for t in V2_TAGS) else VERSION
 
 
 def _decode_manifest(data: bytes, path: str) -> tuple[dict[str, Any], Callable[[str], Exception]]:
@@ -403,11 +410,11 @@ def parse_manifest(data: bytes, *, path: str, step: int | None = None) -> Manife
     version = raw["version"]
     dtensors: dict[str, DTensorRecord] = {}
     block: Any = BLOCK_BYTES
-    if version >= DTENSOR_VERSION:
+    if "dtensors" in raw:  # version 2, with distributed tensors
+        if version < DTENSOR_VERSION:
+            raise bad("a version 1 manifest has no dtensors")
         block = raw.get("block_bytes")  # checked by parse_dtensors
-        dtensors = parse_dtensors(raw.get("dtensors"), tensors, block, path=path)
-    elif "dtensors" in raw:
-        raise bad("a version 1 manifest has no dtensors")
+        dtensors = parse_dtensors(raw["dtensors"], tensors, block, path=path)
     metadata = raw.get("metadata", {})
     if not isinstance(metadata, dict):
         raise bad("metrics and metadata must be objects")

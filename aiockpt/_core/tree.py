@@ -5,6 +5,11 @@ The tree keeps the state's exact nesting, one tagged node (a one-member object) 
     {"T": name}              TENSOR: a tensor, stored in the shard under ``name``
     {"X": name}              DTENSOR: a distributed tensor, the entry ``name`` of the
                              manifest's ``dtensors`` table (format version 2)
+    {"G": [device, name]}    GENERATOR: a torch.Generator of ``device``, its get_state()
+                             stored as the tensor ``name`` (format version 2)
+    {"N": name}              NDARRAY: a numpy array, stored as the tensor ``name`` (version 2)
+    {"n": [dtype, value]}    NPSCALAR: a numpy scalar of the numpy dtype name ``dtype``; its
+                             value as a VALUE or FLOAT body holds it (version 2)
     {"D": [[key, node], …]}  DICT: a dict; keys are str or int (optimizers key state by int)
     {"L": [node, …]}         LIST: a list
     {"U": [node, …]}         TUPLE: a tuple
@@ -42,6 +47,18 @@ from .gc import no_gc
 #: The tags of the nodes, as the table above describes them.
 TENSOR: Final = "T"
 DTENSOR: Final = "X"
+GENERATOR: Final = "G"
+NDARRAY: Final = "N"
+NPSCALAR: Final = "n"
+#: The tags a version-1 reader does not know: a tree holding one makes a version-2 checkpoint.
+#: In a tree's JSON text a tag appears as '{"G":' and nowhere else (a string holding those
+#: characters escapes its quotes), so finding one needs no parse.
+V2_TAGS: Final = (DTENSOR, GENERATOR, NDARRAY, NPSCALAR)
+#: numpy dtypes a NPSCALAR may name.
+NP_SCALAR_DTYPES: Final = frozenset(
+    {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"}
+    | {"float16", "float32", "float64"}
+)
 DICT: Final = "D"
 LIST: Final = "L"
 TUPLE: Final = "U"
@@ -116,6 +133,26 @@ def walk(
                 raise MalformedTree(f"reference to unknown distributed tensor {bounded_repr(body)}")
             yield path, tag, body, depth
             continue
+        if tag in (NDARRAY, GENERATOR):
+            name = body
+            if tag == GENERATOR:
+                if not isinstance(body, list) or len(body) != 2 or not isinstance(body[0], str):
+                    raise MalformedTree("generator body")
+                name = body[1]
+            if tensor_names is not None and (not isinstance(name, str) or name not in tensor_names):
+                raise MalformedTree(f"reference to unknown tensor {bounded_repr(name)}")
+            yield path, tag, body, depth
+            continue
+        if tag == NPSCALAR:
+            if (
+                not isinstance(body, list)
+                or len(body) != 2
+                or body[0] not in NP_SCALAR_DTYPES
+                or not _scalar_value(body[1])
+            ):
+                raise MalformedTree(f"numpy scalar {bounded_repr(body)}")
+            yield path, tag, body, depth
+            continue
         # A container's children are pushed last first, so that they pop in tree order, and
         # before it is yielded: only a checked node is.
         below = depth + 1
@@ -180,8 +217,12 @@ def plain_values(tree: Any) -> Iterator[tuple[str, str]]:
     container below the root as ``{}``, ``[]`` or ``()``; the root's path shows as ``<root>``.
     """
     for path, tag, body, _ in walk(tree, dtensor_names=_ANY):
-        if tag in (TENSOR, DTENSOR):
+        if tag in (TENSOR, DTENSOR, GENERATOR, NDARRAY):
             continue
+        if tag == NPSCALAR:
+            value = body[1]
+            text = value if value in NON_FINITE else json.dumps(value, ensure_ascii=False)
+            yield path or "<root>", f"numpy.{body[0]}({text})"
         if tag == VALUE:
             yield path or "<root>", json.dumps(body, ensure_ascii=False)
         elif tag == FLOAT:
@@ -201,15 +242,25 @@ _ANY = _Anything()
 
 
 def tensor_references(tree: Any) -> tuple[set[str], set[str]]:
-    """The names a checked tree refers to: (tensors, distributed tensors)."""
+    """The names a checked tree refers to: (the shard's tensors, including those of numpy
+    arrays and generator states; distributed tensors)."""
     tensors: set[str] = set()
     dtensors: set[str] = set()
     for _, tag, body, _ in walk(tree, paths=False, dtensor_names=_ANY):
-        if tag == TENSOR:
+        if tag in (TENSOR, NDARRAY):
             tensors.add(body)
+        elif tag == GENERATOR:
+            tensors.add(body[1])
         elif tag == DTENSOR:
             dtensors.add(body)
     return tensors, dtensors
+
+
+def _scalar_value(value: Any) -> bool:
+    """A NPSCALAR's value: a JSON number or bool, or a non-finite float's string."""
+    if isinstance(value, str):
+        return value in NON_FINITE
+    return isinstance(value, (bool, int, float))
 
 
 def bounded_repr(value: Any) -> str:

@@ -96,6 +96,7 @@ def merge(
     tensors = ",".join(f"{json.dumps(p.shard['file'])}:{p.tensors_json}" for p in parts)
     trees = ",".join(f'"{p.rank}":{p.tree_json}' for p in parts)
     dtensors = dtable.merge([(p.shard["file"], p.dtensors_json) for p in parts])
+    version = max(fmt.tree_version(p.tree_json) for p in parts)
     return fmt.manifest_json(
         step=step,
         created_at=created_at,
@@ -106,6 +107,7 @@ def merge(
         metrics=metrics,
         metadata=metadata,
         dtensors_json=dtensors,
+        version=max(version, fmt.VERSION if dtensors is None else fmt.DTENSOR_VERSION),
     )
 
 

@@ -23,8 +23,12 @@ from .._core.tree import (
     DICT,
     DTENSOR,
     FLOAT,
+    GENERATOR,
     LIST,
     MAX_TREE_DEPTH,
+    NDARRAY,
+    NP_SCALAR_DTYPES,
+    NPSCALAR,
     STATEFUL,
     TENSOR,
     TUPLE,
@@ -213,6 +217,13 @@ class _Walk:
         """The tree node of ``value``, found at key path ``path``."""
         if isinstance(value, torch.Tensor):
             return self.tensor_node(value, path)
+        np = sys.modules.get("numpy")  # no numpy value exists unless something imported it
+        if np is not None and isinstance(value, (np.ndarray, np.generic)):
+            return self.numpy_node(value, path, np)
+        if isinstance(value, torch.Generator):
+            # Its state is a fresh CPU byte tensor, whatever the generator's device.
+            name = self.add_tensor(value.get_state(), path, alias=False)
+            return {GENERATOR: [str(value.device), name]}
         if value is None or isinstance(value, (bool, int, str)):
             if isinstance(value, str) and "\x00" in value:
                 raise UnsupportedValueError(path, "strings with NUL characters are not stored")
@@ -267,6 +278,31 @@ class _Walk:
             else:
                 items.append([k, walk(v, child, depth + 1)])
         return {DICT: items}
+
+    def numpy_node(self, value: Any, path: str, np: Any) -> dict[str, Any]:
+        """The node of a numpy array (stored as a tensor) or numpy scalar (as a value)."""
+        if isinstance(value, np.generic):
+            kind = value.dtype.name
+            if kind not in NP_SCALAR_DTYPES:
+                raise UnsupportedValueError(path, f"numpy scalars of {kind} are not saved")
+            item = value.item()
+            if isinstance(item, float) and not math.isfinite(item):
+                item = encode_float(item)
+            return {NPSCALAR: [kind, item]}
+        if value.dtype.byteorder == ">" or value.dtype.hasobject:
+            raise UnsupportedValueError(
+                path, f"numpy arrays of {value.dtype} are not saved (native numeric dtypes are)"
+            )
+        array = np.ascontiguousarray(value)
+        if not array.flags.writeable:
+            array = array.copy()  # torch.from_numpy warns on read-only memory
+        try:
+            t = torch.from_numpy(array)
+        except TypeError:
+            raise UnsupportedValueError(
+                path, f"numpy arrays of {value.dtype} have no torch equivalent"
+            ) from None
+        return {NDARRAY: self.add_tensor(t, path, alias=False)}
 
     def key_ok(self, key: Any, path: str) -> bool:
         """True for a key the tree can hold; else raises UnsupportedValueError."""
@@ -496,6 +532,17 @@ def unflatten(
         return unflatten(body, tensors, held)
     if tag == FLOAT:
         return decode_float(body)
+    if tag == NDARRAY:
+        return tensors[body].numpy()
+    if tag == GENERATOR:
+        gen = torch.Generator(device=body[0])
+        gen.set_state(tensors[body[1]].contiguous())
+        return gen
+    if tag == NPSCALAR:
+        import numpy as np
+
+        value = decode_float(body[1]) if isinstance(body[1], str) else body[1]
+        return np.dtype(body[0]).type(value)
     return body
 
 
@@ -614,6 +661,8 @@ def load_into(
             copy(restorer.dsts, restorer.srcs)
     for container, key, value in restorer.sets:
         container[key] = value
+    for call in restorer.calls:
+        call()
     for obj, value in restorer.loads:
         obj.load_state_dict(value)
     return Restored(result, tuple(restorer.only_saved), tuple(restorer.only_target))
@@ -651,6 +700,8 @@ class _Restorer:
         #: (container, key, value): an item to set; (object, state dict): a load_state_dict.
         self.sets: list[tuple[Any, Any, Any]] = []
         self.loads: list[tuple[Any, Any]] = []
+        #: Other in-place restores (a generator's state, a numpy array's bytes).
+        self.calls: list[Callable[[], object]] = []
         self.only_saved: list[str] = []
         self.only_target: list[str] = []
 
@@ -671,6 +722,12 @@ class _Restorer:
         tag, body = next(iter(tree.items()))
         if isinstance(target, torch.Tensor):
             return self.tensor(target, tag, body, path)
+        if isinstance(target, torch.Generator) and tag == GENERATOR:
+            state = self.fresh[body[1]]
+            self.calls.append(lambda: target.set_state(state.contiguous()))
+            return target
+        if tag == NDARRAY and type(target).__name__ == "ndarray":
+            return self.ndarray(target, body, path)
         if is_stateful(target):
             inner = body if tag == STATEFUL else tree
             value = unflatten(inner, self.fresh, self.held)
@@ -700,6 +757,20 @@ class _Restorer:
                     self.sets.append((target, i, value))
             return target
         return unflatten({tag: body}, self.fresh)
+
+    def ndarray(self, target: Any, name: str, path: str) -> Any:
+        """Restore a numpy array in place (it is checked now, copied when all is checked)."""
+        src = self.fresh[name].numpy()
+        if src.shape != target.shape or src.dtype != target.dtype or not target.flags.writeable:
+            raise LoadMismatchError(
+                f"{path or '<root>'}: saved numpy {src.dtype}{list(src.shape)} does not fit "
+                f"{target.dtype}{list(target.shape)}"
+                + ("" if target.flags.writeable else " (read-only)")
+            )
+        import numpy as np
+
+        self.calls.append(lambda: np.copyto(target, src))
+        return target
 
     def tensor(self, target: torch.Tensor, tag: str, body: Any, path: str) -> torch.Tensor:
         if tag not in (TENSOR, DTENSOR):
