@@ -90,36 +90,53 @@ def test_an_async_handle_awaited_from_another_event_loop_raises_instead_of_hangi
 
 TRAINER = textwrap.dedent(
     """
-    import sys, torch
+    import random, sys
+    import numpy as np, torch
     from aiockpt import CheckpointManager
 
     root, stop = sys.argv[1], int(sys.argv[2])
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    state = {"model": model, "optim": opt, "step": 0}
+    torch.manual_seed(0); np.random.seed(0); random.seed(0)
+    emb = torch.nn.Embedding(16, 8)
+    head = torch.nn.Linear(8, 16, bias=False)
+    head.weight = emb.weight  # tied
+    model = torch.nn.Sequential(emb, torch.nn.Dropout(0.1), head)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    stats = np.zeros(3)  # a numpy array the loop updates
+    def rng():
+        return {
+            "torch": torch.get_rng_state(),
+            "numpy": np.random.get_state(),
+            "python": random.getstate(),
+        }
+
+    state = {"model": model, "optim": opt, "sched": sched, "step": 0, "stats": stats, "rng": rng()}
     losses = []
     with CheckpointManager(root) as mgr:
         if mgr.latest_step() is not None:
             mgr.load(into=state)
+            torch.set_rng_state(state["rng"]["torch"])
+            np.random.set_state(state["rng"]["numpy"])
+            random.setstate(state["rng"]["python"])
+            assert model[0].weight is model[2].weight  # still tied
         for step in range(state["step"] + 1, 7):
-            g = torch.Generator().manual_seed(step)
-            x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            ids = torch.from_numpy(np.random.randint(0, 16, size=(4, 5)))
+            ids[0, random.randrange(5)] = 0
+            loss = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+            opt.zero_grad(); loss.backward(); opt.step(); sched.step()
+            stats += [loss.item(), step, 1]
             losses.append(f"{loss.item():.8f}")
             state["step"] = step
+            state["rng"] = rng()
             mgr.save(step, state)
             if step == stop:
                 break
-    print(" ".join(losses))
+    print(" ".join(losses), stats.tolist())
     """
 )
 
 
-def test_a_sync_trainer_in_a_fresh_process_resumes_with_the_same_losses(tmp_path):
+def test_a_full_trainer_state_resumes_in_a_fresh_process_with_the_same_losses(tmp_path):
     path = tmp_path / "trainer.py"
     path.write_text(TRAINER)
 
@@ -127,10 +144,12 @@ def test_a_sync_trainer_in_a_fresh_process_resumes_with_the_same_losses(tmp_path
         cmd = [sys.executable, str(path), root, str(stop)]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
-        return done.stdout.split()
+        losses, _, stats = done.stdout.partition("[")
+        return losses.split(), stats
 
-    whole = run(str(tmp_path / "a"), 99)
-    first = run(str(tmp_path / "b"), 3)
-    rest = run(str(tmp_path / "b"), 99)
+    whole, stats = run(str(tmp_path / "a"), 99)
+    first, _ = run(str(tmp_path / "b"), 3)
+    rest, resumed_stats = run(str(tmp_path / "b"), 99)
     assert len(whole) == 6
-    assert first + rest == whole
+    assert first + rest == whole  # RNGs, scheduler, moments and the tied weight all resumed
+    assert resumed_stats == stats  # and the numpy array
