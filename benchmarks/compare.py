@@ -20,6 +20,7 @@ shard file, ``torch.load``, and DCP's ``load``.
     python benchmarks/compare.py                 # full run: writes docs/performance.{json,png}
     python benchmarks/compare.py --quick         # < 1 minute, writes bench-data/
     python benchmarks/compare.py --scenarios 1g --contenders memcpy,aiockpt --repeats 5
+    python benchmarks/compare.py --scenarios reshard   # DTensors vs DCP: see reshard_bench.py
 """
 
 from __future__ import annotations
@@ -715,10 +716,12 @@ def driver_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
         return
     table = QUICK if args.quick else SCENARIOS
     keys = args.scenarios.split(",") if args.scenarios else list(table)
+    reshard = "reshard" in keys  # DTensor resharding: real ranks of its own, reshard_bench.py
+    keys = [k for k in keys if k != "reshard"]
     contenders = args.contenders.split(",")
     for k in keys:
         if k not in table:
-            parser.error(f"unknown scenario {k!r}; choose from {', '.join(table)}")
+            parser.error(f"unknown scenario {k!r}; choose from {', '.join(table)}, reshard")
     for c in contenders:
         if c not in CONTENDERS:
             parser.error(f"unknown contender {c!r}; choose from {', '.join(CONTENDERS)}")
@@ -726,6 +729,12 @@ def driver_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
     out_dir.mkdir(parents=True, exist_ok=True)
     base = Path(args.dir or REPO / "bench-data")
     base.mkdir(parents=True, exist_ok=True)
+    if reshard:
+        import reshard_bench
+
+        reshard_bench.run(args, out_dir, base)
+        if not keys:
+            return
     report: dict[str, Any] = {
         "machine": machine_info(),
         "config": {
@@ -776,7 +785,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--quick", action="store_true", help="small sizes, 1 repeat: under a minute")
-    p.add_argument("--scenarios", default=None, help="comma-separated: 1g,20k,4g (default: all)")
+    p.add_argument(
+        "--scenarios", default=None, help="comma-separated: 1g,20k,4g (default), reshard"
+    )
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--repeats", type=int, default=None, help="measured saves per contender")
     p.add_argument("--size-mib", type=int, default=None, help="override every scenario's size")
