@@ -187,6 +187,10 @@ class LoadReq(ReadReq):
     #: Per distributed tensor restored into a DTensor, what that target wants; every other
     #: saved distributed tensor is read whole.
     wanted: dict[str, Wanted] | None = None
+    #: Only the values at or under these key paths (None: all of them); with
+    #: ``select_required``, a key path that names nothing is an error.
+    select: tuple[str, ...] | None = None
+    select_required: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +210,8 @@ class LoadReply:
     url: str
     #: Bytes this load read from storage (plain tensors and the chunks of distributed ones).
     read_nbytes: int = 0
+    #: Key paths a selection left out of ``tree`` (see LoadReq.select).
+    left_out: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

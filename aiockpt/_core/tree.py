@@ -128,29 +128,8 @@ def walk(
                 raise MalformedTree(f"reference to unknown tensor {bounded_repr(body)}")
             yield path, tag, body, depth
             continue
-        if tag == DTENSOR:
-            if dtensor_names is None or not isinstance(body, str) or body not in dtensor_names:
-                raise MalformedTree(f"reference to unknown distributed tensor {bounded_repr(body)}")
-            yield path, tag, body, depth
-            continue
-        if tag in (NDARRAY, GENERATOR):
-            name = body
-            if tag == GENERATOR:
-                if not isinstance(body, list) or len(body) != 2 or not isinstance(body[0], str):
-                    raise MalformedTree("generator body")
-                name = body[1]
-            if tensor_names is not None and (not isinstance(name, str) or name not in tensor_names):
-                raise MalformedTree(f"reference to unknown tensor {bounded_repr(name)}")
-            yield path, tag, body, depth
-            continue
-        if tag == NPSCALAR:
-            if (
-                not isinstance(body, list)
-                or len(body) != 2
-                or body[0] not in NP_SCALAR_DTYPES
-                or not _scalar_value(body[1])
-            ):
-                raise MalformedTree(f"numpy scalar {bounded_repr(body)}")
+        if tag in _V2_LEAVES:
+            _check_v2_leaf(tag, body, tensor_names, dtensor_names)
             yield path, tag, body, depth
             continue
         # A container's children are pushed last first, so that they pop in tree order, and
@@ -254,6 +233,80 @@ def tensor_references(tree: Any) -> tuple[set[str], set[str]]:
         elif tag == DTENSOR:
             dtensors.add(body)
     return tensors, dtensors
+
+
+def select_paths(
+    tree: Any, keys: tuple[str, ...], dropped: list[str] | None = None
+) -> tuple[Any, set[str]]:
+    """``tree`` cut down to what lies at or under the key paths ``keys`` (``"model"``,
+    ``"model/layers.3"``), with the dicts (and stateful objects) that lead there; and the keys
+    that named nothing; ``dropped`` gets the key path of each dict item left out. A list or
+    tuple on the way is kept whole: keys select by dict key.
+    The root is kept even when nothing is selected (an empty dict). ``tree`` is a checked
+    tree (bounded depth), so this may recurse.
+    """
+    matched: set[str] = set()
+
+    def cut(node: Any, path: str) -> Any:
+        for k in keys:
+            if path == k or path.startswith(k + "/"):
+                matched.add(k)
+                return node
+        below = [k for k in keys if not path or k.startswith(path + "/")]
+        if not below:
+            return None
+        ((tag, body),) = node.items()
+        if tag == STATEFUL:
+            inner = cut(body, path)
+            return None if inner is None else {STATEFUL: inner}
+        if tag == DICT:
+            items = []
+            for key, child in body:
+                child_path = f"{path}/{key}" if path else str(key)
+                kept = cut(child, child_path)
+                if kept is not None:
+                    items.append([key, kept])
+                elif dropped is not None:
+                    dropped.append(child_path)
+            return {DICT: items} if items else None
+        if tag in (LIST, TUPLE):
+            matched.update(below)  # kept whole
+            return node
+        return None
+
+    pruned = cut(tree, "")
+    if pruned is None:
+        ((tag, _),) = tree.items()
+        pruned = {STATEFUL: {DICT: []}} if tag == STATEFUL else {DICT: []}
+    return pruned, set(keys) - matched
+
+
+_V2_LEAVES = frozenset({DTENSOR, NDARRAY, GENERATOR, NPSCALAR})
+
+
+def _check_v2_leaf(
+    tag: str, body: Any, tensor_names: set[str] | None, dtensor_names: set[str] | None
+) -> None:
+    """Raise MalformedTree unless ``body`` is a valid body of the version-2 leaf ``tag``."""
+    if tag == DTENSOR:
+        if dtensor_names is None or not isinstance(body, str) or body not in dtensor_names:
+            raise MalformedTree(f"reference to unknown distributed tensor {bounded_repr(body)}")
+    elif tag == NPSCALAR:
+        if (
+            not isinstance(body, list)
+            or len(body) != 2
+            or body[0] not in NP_SCALAR_DTYPES
+            or not _scalar_value(body[1])
+        ):
+            raise MalformedTree(f"numpy scalar {bounded_repr(body)}")
+    else:
+        name = body
+        if tag == GENERATOR:
+            if not isinstance(body, list) or len(body) != 2 or not isinstance(body[0], str):
+                raise MalformedTree("generator body")
+            name = body[1]
+        if tensor_names is not None and (not isinstance(name, str) or name not in tensor_names):
+            raise MalformedTree(f"reference to unknown tensor {bounded_repr(name)}")
 
 
 def _scalar_value(value: Any) -> bool:

@@ -8,6 +8,7 @@ The trainer gets a :class:`LoadReply` saying where each verified tensor lies.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import crc32c
 
@@ -15,11 +16,16 @@ from .._core import format as fmt
 from .._core.catalog import Catalog
 from .._core.chunks import Chunk
 from .._core.gc import no_gc
-from .._core.protocol import LoadReply, SlabRef, Wanted
+from .._core.protocol import LoadReply, SlabRef, TensorAt, Wanted
 from .._core.shm import Segment, unlink
-from .._core.tree import tensor_references
-from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from .reshard import Assembler, out_offsets, wanted_box
+from .._core.tree import select_paths, tensor_references
+from ..errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    LoadMismatchError,
+)
+from .reshard import OUT_ALIGN, Assembler, out_offsets, wanted_box
 from .shared import Slabs
 
 #: Loads read this much at a time, checksumming what was read while the next chunk comes.
@@ -64,6 +70,69 @@ def check_crcs(seg: Segment, items: Tensors, lo: int, where: str) -> None:
                 )
 
 
+def contiguous(records: dict[str, fmt.TensorRecord]) -> list[tuple[int, int, Tensors]]:
+    """The records as runs of back-to-back byte ranges: (start, end, the records in it), in
+    file order. All of a shard's plain tensors are one run; a selection may be several."""
+    runs: list[tuple[int, int, Tensors]] = []
+    for name, r in sorted(records.items(), key=lambda item: (item[1].start, item[1].end)):
+        if runs and r.start == runs[-1][1]:
+            lo, _, items = runs[-1]
+            items.append((name, r))
+            runs[-1] = (lo, r.end, items)
+        else:
+            runs.append((r.start, r.end, [(name, r)]))
+    return runs
+
+
+def _selected(tree: Any, select: tuple[str, ...], required: bool, left_out: list[str]) -> Any:
+    """``tree`` cut down to the key paths ``select`` names (see tree.select_paths), the key
+    paths left out added to ``left_out``; when ``required``, a key that names nothing is a
+    LoadMismatchError."""
+    pruned, unmatched = select_paths(tree, select, left_out)
+    if unmatched and required:
+        raise LoadMismatchError(
+            "no saved value at " + ", ".join(repr(k) for k in sorted(unmatched))
+        )
+    return pruned
+
+
+def _wanted(
+    m: fmt.Manifest,
+    tree: Any,
+    records: dict[str, fmt.TensorRecord],
+    wanted: dict[str, Wanted] | None,
+    selected: bool,
+) -> tuple[dict[str, fmt.TensorRecord], list[tuple[str, str, Chunk]]]:
+    """What a load of ``tree`` reads: the shard's records it refers to, and (name, dtype, box)
+    of each distributed tensor, the box ``wanted`` gives it or the whole."""
+    boxes: list[tuple[str, str, Chunk]] = []
+    if not m.dtensors and not selected:
+        return records, boxes  # every record of the shard, as in version 1
+    plain, distributed = tensor_references(tree)
+    for name in sorted(distributed):
+        rec = m.dtensors[name]
+        box = wanted_box(rec, (wanted or {}).get(name))
+        if box is not None:
+            boxes.append((name, rec.dtype, box))
+    return {name: records[name] for name in plain}, boxes
+
+
+def _placed(
+    ranges: list[tuple[int, int, Tensors]],
+    bases: list[int],
+    boxes: list[tuple[str, str, Chunk]],
+    out_at: dict[str, int],
+) -> dict[str, TensorAt]:
+    """Where each loaded tensor lies in the load's segment."""
+    tensors: dict[str, TensorAt] = {}
+    for (lo, _, items), base in zip(ranges, bases, strict=True):
+        for name, r in items:
+            tensors[name] = (r.dtype, r.shape, r.start - lo + base)
+    for name, dtype, box in boxes:
+        tensors[name] = (dtype, box.sizes, out_at[name])
+    return tensors
+
+
 def _ranges(steps: list[int]) -> str:
     shown = ", ".join(map(str, steps[-10:]))
     return shown if len(steps) <= 10 else f"…, {shown}"
@@ -79,6 +148,7 @@ class Reader:
         self.slabs = slabs
         self.pool = pool
         self.load_segments: set[str] = set()
+        self._checks: list[Future[None]] = []
 
     @no_gc
     def load(
@@ -88,11 +158,16 @@ class Reader:
         world_size: int = 1,
         slab: SlabRef | None = None,
         wanted: dict[str, Wanted] | None = None,
+        select: tuple[str, ...] | None = None,
+        *,
+        select_required: bool = True,
     ) -> LoadReply:
         """Read and verify a rank's tensors of ``step`` (the latest when None) into shared
         memory: into the trainer's ``slab`` when given and large enough, else into a new
         segment the trainer takes over. Distributed tensors come after the rank's plain
-        tensors: the box of each that ``wanted`` names, the whole of the others."""
+        tensors: the box of each that ``wanted`` names, the whole of the others. With
+        ``select`` (key paths), only the values at or under those paths are read and
+        returned."""
         step = self._committed(step)
         m = self.catalog.read_manifest(step)
         if m.world_size != world_size:
@@ -102,18 +177,17 @@ class Reader:
         where = self.catalog.where(path)
         tree = m.trees[rank]
         fmt.check_tree(tree, set(records), path=where, dtensor_names=set(m.dtensors))
-        boxes: list[tuple[str, str, Chunk]] = []
-        if m.dtensors:
-            plain, distributed = tensor_references(tree)
-            records = {name: records[name] for name in plain}
-            for name in sorted(distributed):
-                rec = m.dtensors[name]
-                box = wanted_box(rec, (wanted or {}).get(name))
-                if box is not None:
-                    boxes.append((name, rec.dtype, box))
-        lo = min((r.start for r in records.values()), default=0)
-        hi = max((r.end for r in records.values()), default=0)
-        out_at, size = out_offsets(hi - lo, boxes)
+        left_out: list[str] = []
+        if select is not None:
+            tree = _selected(tree, select, select_required, left_out)
+        records, boxes = _wanted(m, tree, records, wanted, select is not None)
+        ranges = contiguous(records)
+        bases, pos = [], 0
+        for lo, hi, _ in ranges:
+            pos = (pos + OUT_ALIGN - 1) // OUT_ALIGN * OUT_ALIGN
+            bases.append(pos)
+            pos += hi - lo
+        out_at, size = out_offsets(pos, boxes)
         pooled = slab is not None and slab.size >= size
         if slab is not None and pooled:
             seg = self.slabs.get(slab.name, slab.size)
@@ -121,9 +195,12 @@ class Reader:
             seg = Segment.create(size, kind="load", populate=False)
             self.load_segments.add(seg.name)
         try:
-            self._read_verified(seg, path, records, lo, hi, where)
+            for (lo, hi, items), base in zip(ranges, bases, strict=True):
+                self._read_verified(seg, path, items, lo, hi, base, where)
+            self._wait_checks()
             assembled = self._assemble(m, step, boxes, out_at, seg)
         except BaseException:
+            self._wait_checks(quiet=True)
             if not pooled:
                 seg.close()
                 seg.unlink()
@@ -131,9 +208,8 @@ class Reader:
             raise
         if not pooled:
             seg.close()  # the trainer maps it and takes it over
-        tensors = {name: (r.dtype, r.shape, r.start - lo) for name, r in records.items()}
-        for name, dtype, box in boxes:
-            tensors[name] = (dtype, box.sizes, out_at[name])
+        tensors = _placed(ranges, bases, boxes, out_at)
+        read = sum(hi - lo for lo, hi, _ in ranges)
         return LoadReply(
             step=step,
             segment=None if pooled else seg.name,
@@ -145,7 +221,8 @@ class Reader:
             created_at=m.created_at,
             nbytes=m.nbytes,
             url=self.catalog.where(fmt.step_dirname(step)),
-            read_nbytes=hi - lo + (assembled.read_bytes if assembled else 0),
+            read_nbytes=read + (assembled.read_bytes if assembled else 0),
+            left_out=tuple(left_out),
         )
 
     def _assemble(
@@ -216,26 +293,36 @@ class Reader:
         self,
         seg: Segment,
         path: str,
-        records: dict[str, fmt.TensorRecord],
+        items: Tensors,
         lo: int,
         hi: int,
+        base: int,
         where: str,
     ) -> None:
-        """Fill ``seg`` with bytes [lo, hi) of the shard and check every tensor's crc32c."""
-        by_end = sorted(records.items(), key=lambda item: item[1].end)
-        checks: list[Future[None]] = []
+        """Read bytes [lo, hi) of the shard into ``seg`` at ``base`` and start checking the
+        crc32c of each of ``items`` (the tensors in the range) as the read goes by; the
+        checks run on the pool while the next piece is read (see _wait_checks)."""
+        by_end = sorted(items, key=lambda item: item[1].end)
+        shift = lo - base  # a file offset minus this is its place in seg
         done = 0
         for off in range(0, hi - lo, LOAD_CHUNK):
             end = min(off + LOAD_CHUNK, hi - lo)
-            self.storage.readinto(path, lo + off, seg.buf[off:end])
+            self.storage.readinto(path, lo + off, seg.buf[base + off : base + end])
             first = done
             while done < len(by_end) and by_end[done][1].end - lo <= end:
                 done += 1
-            checks.append(self.pool.submit(check_crcs, seg, by_end[first:done], lo, where))
+            self._checks.append(self.pool.submit(check_crcs, seg, by_end[first:done], shift, where))
         if done < len(by_end):  # empty tensors past the last byte read
-            checks.append(self.pool.submit(check_crcs, seg, by_end[done:], lo, where))
+            self._checks.append(self.pool.submit(check_crcs, seg, by_end[done:], shift, where))
+
+    def _wait_checks(self, *, quiet: bool = False) -> None:
+        """Wait for the crc checks started; raise the first failure (unless ``quiet``)."""
+        checks, self._checks = self._checks, []
         for check in checks:
-            check.result()
+            if quiet:
+                check.exception()
+            else:
+                check.result()
 
     def close(self) -> None:
         """Unlink the segments of every load served: the trainer maps each one it takes over

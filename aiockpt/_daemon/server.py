@@ -109,7 +109,15 @@ class Daemon:
         return handler(req)
 
     def _load(self, req: LoadReq) -> LoadReply:
-        return self.reader.load(req.step, req.rank, req.world_size, req.slab, req.wanted)
+        return self.reader.load(
+            req.step,
+            req.rank,
+            req.world_size,
+            req.slab,
+            req.wanted,
+            req.select,
+            select_required=req.select_required,
+        )
 
     def _steps(self, req: StepsReq) -> tuple[int, ...]:
         return tuple(self.catalog.committed_steps())

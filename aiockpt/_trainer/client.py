@@ -117,6 +117,8 @@ class DaemonClient(Protocol):
         world_size: int,
         slab: SlabRef | None = None,
         wanted: dict[str, Wanted] | None = None,
+        select: tuple[str, ...] | None = None,
+        select_required: bool = True,
     ) -> LoadReply: ...
     async def request(self, kind: type[ReadReq], **fields: Any) -> Any:
         """Send ``kind(id, **fields)`` and return its reply's value, or raise its error;

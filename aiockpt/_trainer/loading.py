@@ -22,12 +22,25 @@ from ..errors import CheckpointError, CorruptCheckpointError, InvalidStepError
 from ..events import logger
 from .ledger import Emit
 from .staging import LayoutCache, SlabPool, copy_pairs
-from .state import ST_TO_TORCH, TORCH_TO_ST, Flat, Flattener, StaleFlat, load_into, unflatten
+from .state import (
+    ST_TO_TORCH,
+    TORCH_TO_ST,
+    Flat,
+    Flattener,
+    StaleFlat,
+    is_stateful,
+    load_into,
+    unflatten,
+)
 
-#: Asks the daemon for a load's bytes: ``read(step, slab, wanted)``, into the lent slab when
-#: one is given and large enough, else a fresh segment; ``wanted`` says which box of each
-#: distributed tensor restored into a DTensor is wanted (the others are read whole).
-Read = Callable[[int | None, SlabRef | None, dict[str, Wanted] | None], Awaitable[LoadReply]]
+#: Asks the daemon for a load's bytes: ``read(step, slab, wanted, keys)``, into the lent slab
+#: when one is given and large enough, else a fresh segment; ``wanted`` says which box of each
+#: distributed tensor restored into a DTensor is wanted (the others are read whole); ``keys``
+#: the key paths to read (None: all), and whether each must name something.
+Read = Callable[
+    [int | None, SlabRef | None, dict[str, Wanted] | None, tuple[str, ...] | None, bool],
+    Awaitable[LoadReply],
+]
 
 
 class Loader:
@@ -42,7 +55,13 @@ class Loader:
         self._layouts = layouts
         self._pool = pool
 
-    async def load(self, step: int | None, into: Any, strict: bool = True) -> Any:
+    async def load(
+        self,
+        step: int | None,
+        into: Any,
+        strict: bool = True,
+        keys: tuple[str, ...] | None = None,
+    ) -> Any:
         """See AsyncCheckpointManager.load."""
         op = uuid_mod.uuid4().hex
         t0 = time.monotonic()
@@ -51,11 +70,14 @@ class Loader:
             if step is not None:
                 _check_step(step)
             if into is None:
-                reply = await self._read(step, None, None)
+                reply = await self._read(step, None, None, keys, True)
                 with gc_paused():  # 20k fresh views and containers: see gc_paused
                     result = unflatten(reply.tree, map_loaded(reply))
             else:
-                reply, result = await self._load_into(step, into, strict)
+                required = keys is not None
+                if keys is None and not strict:
+                    keys = target_paths(into)  # what both hold is all that is restored
+                reply, result = await self._load_into(step, into, strict, keys, required)
         except BaseException as e:
             self._emit("load.exception", uuid=op, step=step, error=e)
             raise
@@ -69,7 +91,14 @@ class Loader:
         )
         return result
 
-    async def _load_into(self, step: int | None, into: Any, strict: bool) -> tuple[LoadReply, Any]:
+    async def _load_into(
+        self,
+        step: int | None,
+        into: Any,
+        strict: bool,
+        keys: tuple[str, ...] | None,
+        required: bool,
+    ) -> tuple[LoadReply, Any]:
         """Restore into existing objects, reading through a warm staging slab when one fits.
 
         The slab is the one the next save of this state will use anyway: the daemon reads
@@ -98,7 +127,11 @@ class Loader:
             slab = await self._pool.acquire(layout.file_size, layout.id)
         try:
             reply = await self._read(
-                step, SlabRef(slab.name, slab.size) if slab is not None else None, wanted or None
+                step,
+                SlabRef(slab.name, slab.size) if slab is not None else None,
+                wanted or None,
+                keys,
+                required,
             )
             if reply.segment is None:
                 assert slab is not None
@@ -121,18 +154,57 @@ class Loader:
             )
             del tensors
             result = restored.value
-            if restored.only_saved or restored.only_target:
+            only_saved = [*restored.only_saved, *(reply.left_out if not required else ())]
+            if only_saved or restored.only_target:
                 logger.warning(
-                    "load(strict=False) of step %d: added to the target (saved, not in it): "
-                    "%s; left as they were (in the target, not saved): %s",
+                    "load(strict=False) of step %d restored what both hold; not restored "
+                    "(saved, not in the target): %s; left as they were (in the target, not "
+                    "saved): %s",
                     reply.step,
-                    list(restored.only_saved) or "none",
+                    sorted(only_saved) or "none",
                     list(restored.only_target) or "none",
                 )
         finally:
             if slab is not None:
                 self._pool.release(slab.name)
         return reply, result
+
+
+def check_keys(keys: Any) -> tuple[str, ...] | None:
+    """``load(keys=...)``: None, a key path, or an iterable of them (non-empty str each, no
+    leading or trailing "/")."""
+    if keys is None:
+        return None
+    if isinstance(keys, str):
+        keys = [keys]
+    try:
+        out = tuple(keys)
+    except TypeError:
+        raise TypeError(f"keys must be a str or an iterable of str, not {keys!r}") from None
+    for k in out:
+        if not isinstance(k, str) or not k or k.startswith("/") or k.endswith("/"):
+            raise ValueError(f"keys must be key paths like 'model' or 'model/layers.3', not {k!r}")
+    if not out:
+        raise ValueError("keys is empty: give the key paths to load, or None for all")
+    return out
+
+
+def target_paths(into: Any) -> tuple[str, ...] | None:
+    """The key paths of everything ``into`` holds (its dicts walked, anything else a leaf);
+    None when ``into`` is not a dict (then all is read)."""
+    if not isinstance(into, dict):
+        return None
+    paths: list[str] = []
+    stack: list[tuple[str, Any]] = [("", into)]
+    while stack:
+        prefix, mapping = stack.pop()
+        for k, v in mapping.items():
+            path = f"{prefix}/{k}" if prefix else str(k)
+            if isinstance(v, dict) and v and not is_stateful(v):
+                stack.append((path, v))
+            else:
+                paths.append(path)
+    return tuple(paths) if paths else None
 
 
 def init_optimizer_states(into: Any) -> None:

@@ -37,7 +37,7 @@ from . import checks
 from . import dist as _dist
 from .client import DaemonCallbacks, DaemonClient, SubprocessClient
 from .ledger import Ledger, SaveHandle, check_loop, loop_token
-from .loading import Loader
+from .loading import Loader, check_keys
 from .mirror import DaemonMirror
 from .saving import Saver
 from .sigterm import SigtermFlush, require_main_thread
@@ -234,7 +234,12 @@ class AsyncCheckpointManager:
         self.events.emit(name, **fields)
 
     async def _read(
-        self, step: int | None, slab: SlabRef | None, wanted: dict[str, Wanted] | None
+        self,
+        step: int | None,
+        slab: SlabRef | None,
+        wanted: dict[str, Wanted] | None,
+        keys: tuple[str, ...] | None,
+        required: bool,
     ) -> LoadReply:
         d = await self._daemons.live()
         return await d.request(
@@ -244,6 +249,8 @@ class AsyncCheckpointManager:
             world_size=self.world_size,
             slab=slab,
             wanted=wanted,
+            select=keys,
+            select_required=required,
         )
 
     # ----------------------------------------------------------------- the API
@@ -290,13 +297,21 @@ class AsyncCheckpointManager:
         order = best_order(records, metric, mode)
         return records[order[0]].step if order else None
 
-    async def load(self, step: int | None = None, *, into: Any = None, strict: bool = True) -> Any:
+    async def load(
+        self,
+        step: int | None = None,
+        *,
+        into: Any = None,
+        strict: bool = True,
+        keys: str | Iterable[str] | None = None,
+    ) -> Any:
         """The state saved at ``step`` (latest committed when None). With ``into``, restore in
         place into its tensors and stateful objects and return it: checked whole first (keys,
         shapes, dtypes; with ``strict`` the saved keys and ``into``'s must be the same), so a
-        load that fails leaves ``into`` as it was. ``strict=False`` restores what matches,
-        adds saved keys ``into`` lacks, and logs both differences."""
+        load that fails leaves ``into`` as it was. ``strict=False`` restores, and reads, only
+        what both hold, and logs the rest. ``keys`` (key paths such as ``"model"`` or
+        ``"model/layers.3"``) reads and returns only what lies at or under them."""
         self._check_open()
         if not isinstance(strict, bool):
             raise TypeError(f"strict must be a bool, not {type(strict).__name__}")
-        return await self._loader.load(step, into, strict)
+        return await self._loader.load(step, into, strict, check_keys(keys))

@@ -648,9 +648,9 @@ def load_into(
     the target's tensors (a DTensor's: into its local tensor), all in one ``copy(targets,
     sources)`` call; anything else gets ``tensors`` themselves, or clones of them when they
     are not ``owned`` (views of a buffer that will be reused). ``held`` has the target's
-    DTensors by key path (dtensor.Held). Without ``strict``, saved keys the target lacks are
-    added to it and target keys the checkpoint lacks are left as they are; the returned
-    Restored says which.
+    DTensors by key path (dtensor.Held). Without ``strict``, what both hold is restored and
+    the rest left as it is: saved keys the target lacks are not added, target keys the
+    checkpoint lacks keep their values; the returned Restored says which.
     """
     restorer = _Restorer(tensors, owned, held or {})
     result = restorer.restore(target, tree, "")
@@ -674,7 +674,7 @@ class Restored:
     did not share."""
 
     value: Any
-    #: Saved key paths the target lacked (added to it).
+    #: Saved key paths the target lacked (not restored).
     only_saved: tuple[str, ...] = ()
     #: Target key paths the checkpoint lacked (left as they were).
     only_target: tuple[str, ...] = ()
@@ -747,7 +747,6 @@ class _Restorer:
                         self.sets.append((target, k, value))
                 else:
                     self.only_saved.append(child)
-                    self.sets.append((target, k, unflatten(node, self.fresh)))
             self.only_target.extend(_path(path, k) for k in target if k not in saved)
             return target
         if isinstance(target, list) and tag in (LIST, TUPLE) and len(target) == len(body):

@@ -207,6 +207,13 @@ class CheckpointManager:
         """The committed step with the best ``metric`` (see AsyncCheckpointManager)."""
         return self._call(self._async.best_step, metric, mode)
 
-    def load(self, step: int | None = None, *, into: Any = None, strict: bool = True) -> Any:
+    def load(
+        self,
+        step: int | None = None,
+        *,
+        into: Any = None,
+        strict: bool = True,
+        keys: str | Iterable[str] | None = None,
+    ) -> Any:
         """The state saved at ``step`` (latest when None); see AsyncCheckpointManager.load."""
-        return self._call(self._async.load, step, into=into, strict=strict)
+        return self._call(self._async.load, step, into=into, strict=strict, keys=keys)
