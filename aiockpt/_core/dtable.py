@@ -15,10 +15,12 @@ is checked by :func:`parse_dtensors` before it is used.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
+import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
 import crc32c
@@ -26,6 +28,7 @@ import crc32c
 from ..errors import CorruptCheckpointError
 from .chunks import Chunk, check_chunks
 from .dtypes import DTYPE_SIZES
+from .gc import no_gc
 from .tree import bounded_repr as _short
 
 #: The block size of a chunk's block checksums: a partial read verifies whole blocks, so it
@@ -65,11 +68,41 @@ class DTensorRecord:
     placements: tuple[str, ...]
     mesh: tuple[int, ...]
     chunks: tuple[ChunkRecord, ...]
+    #: The non-empty chunks by their start on dim 0, those starts, and the furthest end on
+    #: dim 0 of each chunk and the ones before it: what meeting() bisects.
+    _by_start: tuple[ChunkRecord, ...] = field(default=(), repr=False, compare=False)
+    _starts: tuple[int, ...] = field(default=(), repr=False, compare=False)
+    _reach: tuple[int, ...] = field(default=(), repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.shape:
+            return
+        chunks = sorted((c for c in self.chunks if c.chunk.numel), key=lambda c: c.chunk.offsets)
+        reach, furthest = [], 0
+        for c in chunks:
+            furthest = max(furthest, c.chunk.offsets[0] + c.chunk.sizes[0])
+            reach.append(furthest)
+        object.__setattr__(self, "_by_start", tuple(chunks))
+        object.__setattr__(self, "_starts", tuple(c.chunk.offsets[0] for c in chunks))
+        object.__setattr__(self, "_reach", tuple(reach))
 
     @property
     def nbytes(self) -> int:
         """The global tensor's size in bytes (its chunks', each element saved once)."""
         return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
+
+    def meeting(self, box: Chunk) -> Sequence[ChunkRecord]:
+        """The chunks whose rows (dim 0) meet ``box``'s, in order: a superset of those that
+        overlap it, found by bisection, so that a load on many ranks does not try every
+        saved chunk against its box (at 1024 saving ranks, 200 DTensors: 200k tries)."""
+        if not self.shape:
+            return self.chunks
+        lo, hi = box.offsets[0], box.offsets[0] + box.sizes[0]
+        # Chunks before `first` all end at or before lo; those from `last` start at hi or
+        # later. _reach is non-decreasing, so both are bisections.
+        first = bisect.bisect_right(self._reach, lo)
+        last = bisect.bisect_left(self._starts, hi)
+        return self._by_start[first:last]
 
 
 def block_crcs(data: memoryview, block: int = BLOCK_BYTES) -> list[int]:
@@ -126,6 +159,7 @@ class Disagreement(ValueError):
     """The ranks' entries of one distributed tensor do not describe the same tensor."""
 
 
+@no_gc
 def merge(parts: Sequence[tuple[str, str]]) -> str | None:
     """The manifest's ``dtensors`` table from each rank's (shard file, :func:`rank_json`),
     in rank order; None when no rank saved a distributed tensor.
@@ -209,13 +243,13 @@ def _parse_one(
     chunks = []
     shards_seen: set[str] = set()
     for i, c in enumerate(chunks_raw):
-        rec = _parse_chunk(c, i, name, dtype, len(shape), tensors, block, bad)
+        rec = _parse_chunk(c, i, name, dtype, tuple(shape), tensors, block, bad)
         if rec.shard in shards_seen:
             raise bad(f"two chunks in {rec.shard}")
         shards_seen.add(rec.shard)
         chunks.append(rec)
     try:
-        check_chunks(tuple(shape), [c.chunk for c in chunks], where=where)
+        check_chunks(tuple(shape), [c.chunk for c in chunks], where=where, bounds_checked=True)
     except CorruptCheckpointError as e:
         raise CorruptCheckpointError(str(e), path=path, key=name) from None
     return DTensorRecord(name, dtype, tuple(shape), tuple(placements), tuple(mesh), tuple(chunks))
@@ -226,7 +260,7 @@ def _parse_chunk(
     i: int,
     name: str,
     dtype: str,
-    ndim: int,
+    shape: tuple[int, ...],
     tensors: dict[str, dict[str, Any]],
     block: int,
     bad: Any,
@@ -239,8 +273,13 @@ def _parse_chunk(
         c.get("shard"),
         c.get("blocks"),
     )
+    ndim = len(shape)
     if not _ints(offsets, 0) or not _ints(sizes, 0) or len(offsets) != ndim or len(sizes) != ndim:
         raise bad(f"chunk {i} has bad offsets {_short(offsets)} or sizes {_short(sizes)}")
+    if not all(map(operator.le, map(operator.add, offsets, sizes), shape)):
+        for d, (o, n, size) in enumerate(zip(offsets, sizes, shape, strict=True)):
+            if o + n > size:
+                raise bad(f"chunk {i} spans [{o}, {o + n}) on dim {d} of size {size}")
     if not isinstance(shard, str) or shard not in tensors:
         raise bad(f"chunk {i} names shard {_short(shard)}, which the manifest does not list")
     rec = tensors[shard].get(name)
@@ -255,7 +294,8 @@ def _parse_chunk(
     if (
         not isinstance(blocks, list)
         or len(blocks) != (nbytes + block - 1) // block
-        or not all(type(b) is int and 0 <= b < 2**32 for b in blocks)
+        or (blocks and not (_INT.issuperset(map(type, blocks)) and min(blocks) >= 0))
+        or (blocks and max(blocks) >= 2**32)
     ):
         raise bad(f"chunk {i} has bad block checksums")
     return ChunkRecord(
@@ -263,5 +303,12 @@ def _parse_chunk(
     )
 
 
+_INT = frozenset({int})
+
+
 def _ints(value: Any, least: int) -> TypeGuard[list[int]]:
-    return isinstance(value, list) and all(type(v) is int and least <= v < _MAX_DIM for v in value)
+    # The hot check of a parse at 1024 ranks (400k lists): C-level passes, no generator.
+    return isinstance(value, list) and (
+        not value
+        or (_INT.issuperset(map(type, value)) and min(value) >= least and max(value) < _MAX_DIM)
+    )

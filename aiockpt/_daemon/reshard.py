@@ -78,7 +78,7 @@ class Assembler:
         """Assemble ``box`` of ``rec`` into ``out`` (its row-major bytes)."""
         itemsize = DTYPE_SIZES[rec.dtype]
         self.used_bytes += box.numel * itemsize
-        for saved in rec.chunks:
+        for saved in rec.meeting(box):
             runs = read_plan(saved.chunk, box, itemsize)
             if runs:
                 self._copy(rec.name, saved, runs, out)
