@@ -1,12 +1,13 @@
 """The ``aiockpt`` command: list, inspect, verify, prune and export a checkpoint root.
 
-``aiockpt ls ROOT``, ``aiockpt show ROOT STEP``, ``aiockpt verify ROOT [STEP]``,
-``aiockpt prune ROOT [--keep-…] [--yes]`` and ``aiockpt export ROOT OUT --step N`` (whole
-tensors as plain safetensors, see :mod:`aiockpt._export`). ROOT is a local path or any URL the
-storage registry serves. Exit codes: 0 done (and intact), 1 corruption found or the storage
-failed, 2 a mistake in the command line or a root without checkpoints. It imports neither
-torch nor the manager: manifests are read (and validated as untrusted) and bytes checked
-through the storage layer the daemon uses, so it starts fast.
+``aiockpt ls ROOT [--json]``, ``aiockpt show ROOT STEP|latest [--all] [--json]``, ``aiockpt
+verify ROOT [STEP] [--json]``, ``aiockpt prune ROOT [--keep-…] [--yes]`` and ``aiockpt export
+ROOT OUT --step N`` (whole tensors as plain safetensors, see :mod:`aiockpt._export`); ``aiockpt
+--version``. ROOT is a local path or any URL the storage registry serves. Exit codes: 0 done
+(and intact), 1 corruption found or the storage failed, 2 a mistake in the command line, a root
+that does not exist or (except for ``ls``) one without checkpoints. It imports neither torch
+nor the manager: manifests are read (and validated as untrusted) and bytes checked through the
+storage layer the daemon uses, so it starts fast.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, TextIO
 
-from . import _export
+from . import __version__, _export
 from ._core import format as fmt
 from ._core.catalog import Catalog
 from ._core.tree import plain_values
@@ -42,6 +43,9 @@ from .retention import (
 from .storage import open_storage
 
 __all__ = ["main"]
+
+#: The step argument of ``show`` that names the newest committed step.
+LATEST = "latest"
 
 
 class UsageError(Exception):
@@ -102,19 +106,29 @@ def scan(catalog: Catalog, url: str, *, steps: Sequence[int] | None = None) -> R
             continue
         entry = Entry(step)
         if steps is None or step in steps:
-            try:
-                entry.manifest = catalog.read_manifest(step)
-            except CheckpointError as e:  # corrupt, or gone since it was listed
-                entry.error = str(e)
+            read_entry(catalog, entry)
         committed.append(entry)
     return Root(catalog, url, committed, partials)
+
+
+def read_entry(catalog: Catalog, entry: Entry) -> None:
+    """Read the entry's manifest, or why it cannot be read."""
+    try:
+        entry.manifest = catalog.read_manifest(entry.step)
+    except CheckpointError as e:  # corrupt, or gone since it was listed
+        entry.error = str(e)
+
+
+def no_checkpoints(root: Root) -> str:
+    """The line that says a root holds no committed checkpoint (and how many partials)."""
+    extra = f" ({plural(len(root.partials), 'partial step dir')})" if root.partials else ""
+    return f"no checkpoints in {root.url}{extra}"
 
 
 def require_checkpoints(root: Root) -> None:
     """A usage error unless the root holds a committed checkpoint."""
     if not root.committed:
-        extra = f" ({plural(len(root.partials), 'partial step dir')})" if root.partials else ""
-        raise UsageError(f"no checkpoints in {root.url}{extra}")
+        raise UsageError(no_checkpoints(root))
 
 
 def require_step(root: Root, step: int) -> Entry:
@@ -220,7 +234,12 @@ class Progress:
 def cmd_ls(args: argparse.Namespace) -> int:
     """``aiockpt ls``: the committed checkpoints, as a table or JSON lines."""
     root = scan(open_root(args.root, args.storage_options), args.root)
-    require_checkpoints(root)
+    if not root.committed:
+        # A root that is not there is most likely a typo; an empty one is a fresh run.
+        if not root.partials and not root.catalog.storage.exists(""):
+            raise UsageError(f"{root.url} does not exist")
+        print(no_checkpoints(root), file=sys.stderr)
+        return 0
     out: TextIO = sys.stdout
     if args.json:
         for e in root.committed:
@@ -258,16 +277,74 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_show(args: argparse.Namespace) -> int:
-    """``aiockpt show``: one checkpoint's tensors and values."""
-    root = scan(open_root(args.root, args.storage_options), args.root, steps=[args.step])
+#: Without ``--all``, ``show`` lists this many rows of each table ...
+SUMMARY_ROWS = 20
+#: ... and this many characters of each value (``--json`` is always complete).
+SUMMARY_CHARS = 80
+
+
+@dataclass(slots=True)
+class RankView:
+    """What ``show`` says of one rank: its shard, its plain tensors by name (sorted), its plain
+    values by key path, and how many chunks of distributed tensors its shard holds besides."""
+
+    shard: fmt.ShardRecord
+    tensors: dict[str, fmt.TensorRecord]
+    values: list[tuple[str, str]]
+    chunks: int
+
+
+def show_entry(args: argparse.Namespace) -> tuple[Root, Entry]:
+    """The root and the entry ``show`` asks for, its manifest read (``latest``: the newest
+    committed step)."""
+    catalog = open_root(args.root, args.storage_options)
+    if args.step != LATEST:
+        root = scan(catalog, args.root, steps=[args.step])
+        require_checkpoints(root)
+        return root, require_step(root, args.step)
+    root = scan(catalog, args.root, steps=[])  # one manifest is read, once the newest is known
     require_checkpoints(root)
-    entry = require_step(root, args.step)
+    entry = root.committed[-1]
+    read_entry(catalog, entry)
+    return root, entry
+
+
+def rank_views(root: Root, entry: Entry, m: fmt.Manifest) -> list[RankView]:
+    """Each rank's view, in rank order, its tree checked against its shard's tensors."""
+    views = []
+    for shard in sorted(m.shards, key=lambda s: s.rank):
+        tree = m.trees[shard.rank]
+        fmt.check_tree(
+            tree,
+            set(m.tensors[shard.file]),
+            path=root.where(f"{entry.dirname}/{fmt.MANIFEST}"),
+            dtensor_names=set(m.dtensors),
+        )
+        # The shard's chunks of distributed tensors are in the distributed tensors' table.
+        tensors = {
+            name: r
+            for name, r in sorted(m.tensors[shard.file].items())
+            if name not in m.dtensors and name != fmt.PAD_NAME
+        }
+        chunks = sum(c.shard == shard.file for d in m.dtensors.values() for c in d.chunks)
+        views.append(RankView(shard, tensors, list(plain_values(tree)), chunks))
+    return views
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    """``aiockpt show``: one checkpoint's tensors and values, summarised, in full (``--all``),
+    or as one JSON object (``--json``)."""
+    root, entry = show_entry(args)
     m = entry.manifest
     if m is None:
         print(f"aiockpt: {entry.error}", file=sys.stderr)
         return 1
+    views = rank_views(root, entry, m)
     out = sys.stdout
+    if args.json:
+        record = show_record(root.where(entry.dirname), m, views)
+        out.write(json.dumps(record, ensure_ascii=False) + "\n")
+        return 0
     out.write(
         f"step {m.step}  committed {format_time(m.created_at)}  {human_bytes(m.nbytes)}  "
         f"world size {m.world_size}\n"
@@ -278,58 +355,136 @@ def cmd_show(args: argparse.Namespace) -> int:
     if m.metadata:
         out.write(f"metadata  {json.dumps(m.metadata, ensure_ascii=False, sort_keys=True)}\n")
     if m.dtensors:
-        show_dtensors(m, out)
-    for shard in sorted(m.shards, key=lambda s: s.rank):
-        tree = m.trees[shard.rank]
-        fmt.check_tree(
-            tree,
-            set(m.tensors[shard.file]),
-            path=root.where(f"{entry.dirname}/{fmt.MANIFEST}"),
-            dtensor_names=set(m.dtensors),
-        )
-        # The shard's chunks of distributed tensors are in the table above.
-        records = {
-            name: r
-            for name, r in m.tensors[shard.file].items()
-            if name not in m.dtensors and name != fmt.PAD_NAME
-        }
-        chunks = sum(c.shard == shard.file for d in m.dtensors.values() for c in d.chunks)
-        title = "tensors" if m.world_size == 1 else f"rank {shard.rank}: tensors"
-        extra = f", and {plural(chunks, 'chunk')} of distributed tensors" if chunks else ""
-        out.write(
-            f"\n{title} ({len(records)}, {human_bytes(shard.nbytes)} in {shard.file}{extra})\n"
-        )
-        if records:
-            rows = [["KEY", "DTYPE", "SHAPE", "BYTES"]]
-            for name, r in sorted(records.items()):
-                rows.append([name, r.dtype, str(list(r.shape)), str(r.end - r.start)])
-            table(rows, out, right=(3,))
-        values = list(plain_values(tree))
-        if values:
-            out.write(f"\n{'values' if m.world_size == 1 else f'rank {shard.rank}: values'}\n")
-            table([["KEY", "VALUE"], *([k, v] for k, v in values)], out)
+        show_dtensors(m, out, full=args.all)
+    for view in views:
+        show_rank(view, m.world_size, out, full=args.all)
     return 0
 
 
-def show_dtensors(m: fmt.Manifest, out: TextIO) -> None:
+def show_record(url: str, m: fmt.Manifest, views: Sequence[RankView]) -> dict[str, Any]:
+    """The whole of ``show`` as one JSON object (its keys are documented in docs/cli.md)."""
+    return {
+        "step": m.step,
+        "created_at": m.created_at,
+        "world_size": m.world_size,
+        "nbytes": m.nbytes,
+        "url": url,
+        "metrics": m.metrics,
+        "metadata": m.metadata,
+        "tensors": {
+            str(v.shard.rank): {
+                name: {"dtype": r.dtype, "shape": list(r.shape), "nbytes": r.end - r.start}
+                for name, r in v.tensors.items()
+            }
+            for v in views
+        },
+        "dtensors": {
+            name: {
+                "dtype": d.dtype,
+                "shape": list(d.shape),
+                "placements": list(d.placements),
+                "mesh": list(d.mesh),
+                "chunks": len(d.chunks),
+                "nbytes": d.nbytes,
+            }
+            for name, d in sorted(m.dtensors.items())
+        },
+        "values": {str(v.shard.rank): dict(v.values) for v in views},
+    }
+
+
+def head(rows: list[list[str]], *, full: bool) -> tuple[list[list[str]], int]:
+    """The rows a table shows, and how many it leaves out (none with ``full``)."""
+    if full or len(rows) <= SUMMARY_ROWS:
+        return rows, 0
+    return rows[:SUMMARY_ROWS], len(rows) - SUMMARY_ROWS
+
+
+def clip(text: str, *, full: bool) -> str:
+    """``text``, cut to SUMMARY_CHARS characters (the last one an ellipsis) unless ``full``."""
+    if full or len(text) <= SUMMARY_CHARS:
+        return text
+    return text[: SUMMARY_CHARS - 1] + "…"
+
+
+def more_line(left_out: int, out: TextIO) -> None:
+    """The line that says how many rows a summarised table left out."""
+    if left_out:
+        out.write(f"… and {left_out} more (--all lists them all)\n")
+
+
+def dtype_bytes(tensors: Iterable[fmt.TensorRecord]) -> str:
+    """``8.2 KiB in 3 tensors: F32 8.1 KiB (2), I64 80 B (1)``: the tensors' bytes in all
+    and by dtype (most bytes first), with how many tensors of each."""
+    by_dtype: dict[str, list[int]] = {}
+    for r in tensors:
+        tally = by_dtype.setdefault(r.dtype, [0, 0])  # bytes, tensors
+        tally[0] += r.end - r.start
+        tally[1] += 1
+    total = sum(nbytes for nbytes, _ in by_dtype.values())
+    count = sum(n for _, n in by_dtype.values())
+    parts = sorted(by_dtype.items(), key=lambda kv: (-kv[1][0], kv[0]))
+    return f"{human_bytes(total)} in {plural(count, 'tensor')}: " + ", ".join(
+        f"{dtype} {human_bytes(nbytes)} ({n})" for dtype, (nbytes, n) in parts
+    )
+
+
+def show_rank(view: RankView, world_size: int, out: TextIO, *, full: bool) -> None:
+    """One rank's tables of plain tensors and plain values. Summarised (unless ``full``):
+    the bytes by dtype, the first SUMMARY_ROWS tensors, and every value cut short."""
+    label = "" if world_size == 1 else f"rank {view.shard.rank}: "
+    extra = f", and {plural(view.chunks, 'chunk')} of distributed tensors" if view.chunks else ""
+    out.write(
+        f"\n{label}tensors ({len(view.tensors)}, {human_bytes(view.shard.nbytes)} in "
+        f"{view.shard.file}{extra})\n"
+    )
+    if view.tensors:
+        if not full:
+            out.write(f"bytes     {dtype_bytes(view.tensors.values())}\n")
+        rows = [
+            [n, r.dtype, str(list(r.shape)), str(r.end - r.start)] for n, r in view.tensors.items()
+        ]
+        rows, left_out = head(rows, full=full)
+        table([["KEY", "DTYPE", "SHAPE", "BYTES"], *rows], out, right=(3,))
+        more_line(left_out, out)
+    if view.values:
+        out.write(f"\n{label}values\n")
+        table([["KEY", "VALUE"], *([k, clip(v, full=full)] for k, v in view.values)], out)
+
+
+def show_dtensors(m: fmt.Manifest, out: TextIO, *, full: bool) -> None:
     """The table of a checkpoint's distributed tensors: global dtype and shape, how they were
-    placed on which mesh, and how many chunks hold them."""
+    placed on which mesh, and how many chunks hold them (the first SUMMARY_ROWS unless
+    ``full``)."""
     total = sum(d.nbytes for d in m.dtensors.values())
     out.write(f"\ndistributed tensors ({len(m.dtensors)}, {human_bytes(total)})\n")
-    rows = [["KEY", "DTYPE", "SHAPE", "PLACEMENTS", "MESH", "CHUNKS", "BYTES"]]
-    for name, d in sorted(m.dtensors.items()):
-        rows.append(
-            [
-                name,
-                d.dtype,
-                str(list(d.shape)),
-                f"[{', '.join(d.placements)}]",
-                str(list(d.mesh)),
-                str(len(d.chunks)),
-                str(d.nbytes),
-            ]
-        )
-    table(rows, out, right=(5, 6))
+    rows = [
+        [
+            name,
+            d.dtype,
+            str(list(d.shape)),
+            f"[{', '.join(d.placements)}]",
+            str(list(d.mesh)),
+            str(len(d.chunks)),
+            str(d.nbytes),
+        ]
+        for name, d in sorted(m.dtensors.items())
+    ]
+    rows, left_out = head(rows, full=full)
+    header = ["KEY", "DTYPE", "SHAPE", "PLACEMENTS", "MESH", "CHUNKS", "BYTES"]
+    table([header, *rows], out, right=(5, 6))
+    more_line(left_out, out)
+
+
+def entry_problems(root: Root, e: Entry, progress: Progress) -> list[str]:
+    """What is wrong with one committed step: its manifest, or every byte of its shards."""
+    if e.manifest is None:
+        return [f"{e.dirname}/{fmt.MANIFEST}: {e.error}"]
+    problems: list[str] = []
+    advance = functools.partial(progress.advance, label=f"step {e.step}")
+    for shard in e.manifest.shards:
+        problems += _export.verify_shard(root.catalog, e.manifest, shard, advance)
+    return problems
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -343,16 +498,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     bad = 0
     try:
         for e in entries:
-            if e.manifest is None:
-                problems = [f"{e.dirname}/{fmt.MANIFEST}: {e.error}"]
-            else:
-                problems = []
-                advance = functools.partial(progress.advance, label=f"step {e.step}")
-                for shard in e.manifest.shards:
-                    problems += _export.verify_shard(root.catalog, e.manifest, shard, advance)
+            problems = entry_problems(root, e, progress)
             progress.close()
-            if problems:
-                bad += 1
+            bad += bool(problems)
+            if args.json:
+                record = {"step": e.step, "ok": not problems, "problems": problems}
+                print(json.dumps(record, ensure_ascii=False), flush=True)
+            elif problems:
                 print(f"step {e.step}: CORRUPT")
                 for p in problems:
                     print(f"  {p}")
@@ -516,6 +668,18 @@ def step_arg(text: str) -> int:
     return value
 
 
+def step_or_latest(text: str) -> int | str:
+    """A step argument that may also be ``latest``, the newest committed step."""
+    if text == LATEST:
+        return LATEST
+    try:
+        return step_arg(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"a step is a non-negative integer or {LATEST}, not {text!r}"
+        ) from None
+
+
 def positive_seconds(text: str) -> float:
     """An argument that is a positive, finite number of seconds."""
     try:
@@ -577,18 +741,18 @@ def build_parser() -> tuple[Parser, dict[str, Parser]]:
         description="Inspect, verify and prune aiockpt checkpoint roots.",
         epilog="Exit codes: 0 ok, 1 corruption or a storage failure, 2 a usage mistake.",
     )
+    parser.add_argument("--version", action="version", version=f"aiockpt {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("ls", parents=[common], help="list committed checkpoints")
     p.add_argument("--json", action="store_true", help="one JSON object per checkpoint")
     p.set_defaults(func=cmd_ls)
 
-    p = sub.add_parser("show", parents=[common], help="tensors and values of one checkpoint")
-    add_step(p, required=True)
-    p.set_defaults(func=cmd_show)
+    add_show(sub.add_parser("show", parents=[common], help="tensors and values of one checkpoint"))
 
     p = sub.add_parser("verify", parents=[common], help="re-read and check every checksum")
     add_step(p, required=False)
+    p.add_argument("--json", action="store_true", help="one JSON object per checkpoint checked")
     p.set_defaults(func=cmd_verify)
 
     add_export(
@@ -637,6 +801,19 @@ def build_parser() -> tuple[Parser, dict[str, Parser]]:
     return parser, dict(sub.choices)
 
 
+def add_show(p: Parser) -> None:
+    """The arguments of ``show``."""
+    p.description = (
+        "Show one checkpoint (STEP, or latest for the newest): a summary of its tensors and "
+        f"values (the first {SUMMARY_ROWS} tensors of each table, each value cut to "
+        f"{SUMMARY_CHARS} characters), all of them with --all, or one JSON object with --json."
+    )
+    add_step(p, required=True, latest=True)
+    p.add_argument("--all", action="store_true", help="every tensor and every value in full")
+    p.add_argument("--json", action="store_true", help="the whole checkpoint as one JSON object")
+    p.set_defaults(func=cmd_show)
+
+
 def add_export(p: Parser) -> None:
     """The arguments of ``export``."""
     p.add_argument(
@@ -657,10 +834,13 @@ def add_export(p: Parser) -> None:
     p.set_defaults(func=cmd_export)
 
 
-def add_step(p: Parser, *, required: bool) -> None:
-    """A step given as STEP or as --step N (as export takes it), one of them."""
-    p.add_argument("step", metavar="STEP", type=step_arg, nargs="?", help="the step")
-    p.add_argument("--step", dest="step_option", metavar="N", type=step_arg, help="the step")
+def add_step(p: Parser, *, required: bool, latest: bool = False) -> None:
+    """A step given as STEP or as --step N (as export takes it), one of them; with ``latest``,
+    either may be ``latest``."""
+    kind = step_or_latest if latest else step_arg
+    what = f"the step{f', or {LATEST} for the newest committed one' if latest else ''}"
+    p.add_argument("step", metavar="STEP", type=kind, nargs="?", help=what)
+    p.add_argument("--step", dest="step_option", metavar="N", type=kind, help=what)
     p.set_defaults(step_required=required)
 
 

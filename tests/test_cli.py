@@ -126,7 +126,8 @@ def test_show_lists_tensors_and_plain_values(run):
     assert "metrics   acc=0.3 loss=0.5" in out
     assert 'metadata  {"epoch": 1}' in out
     tensors_part, values_part = out.split("\ntensors (", 1)[1].split("\nvalues\n")
-    tensor_rows = tensors_part.splitlines()[1:]  # after the "(3, 8.3 KiB in …)" title
+    # After the "(3, 8.3 KiB in …)" title and the summary's bytes-by-dtype line.
+    tensor_rows = tensors_part.splitlines()[2:]
     assert tensor_rows[0].split() == ["KEY", "DTYPE", "SHAPE", "BYTES"]
     tensors = {}
     for line in tensor_rows[1:]:
@@ -356,7 +357,7 @@ async def test_a_pruned_run_resumes_under_the_manager(run):
         (("show", "RUN", "-3"), ""),
         (("show", "RUN", "99"), "step 99 is not a committed checkpoint"),
         (("verify", "RUN", "99"), "committed: 1, 2, 3, 4, 5, 6"),
-        (("ls", "EMPTY"), "no checkpoints in"),
+        (("ls", "MISSING"), "does not exist"),
         (("verify", "MISSING"), "no checkpoints in"),
         (("ls", "nosuchproto://x/y"), "no storage knows the protocol"),
         (("ls", "RUN", "-o", "novalue"), "KEY=VALUE"),

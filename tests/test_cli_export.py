@@ -330,7 +330,7 @@ def test_show_lists_each_distributed_tensor_once_with_its_placements(two_ranks):
         assert title in ranks
         section = ranks.split(title)[1].split("\n\n")[0]
         assert "and 14 chunks of distributed tensors)" in section
-        keys = [line.split()[0] for line in section.splitlines()[2:]]
+        keys = [line.split()[0] for line in section.splitlines()[3:]]  # after the bytes line
         steps = [f"optim/state/{i}/step" for i in range(4)]
         assert keys == ["extra/half", "extra/none", *steps, "rng"]
 
