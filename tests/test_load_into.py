@@ -126,23 +126,3 @@ async def test_strict_false_restores_what_matches_and_logs_the_rest(mgr, caplog)
 async def test_strict_must_be_a_bool(mgr):
     with pytest.raises(TypeError, match="strict must be a bool"):
         await mgr.load(1, into=fresh(), strict="no")
-
-
-async def test_a_first_load_into_makes_the_next_saves_slab_alongside_its_read(root):
-    state = {"w": torch.randn(1000), "step": 1}
-    async with AsyncCheckpointManager(root) as mgr:
-        await (await mgr.save(1, state))
-    async with AsyncCheckpointManager(root) as mgr:  # a resume: no slab yet
-        target = {"w": torch.zeros(1000), "step": 0}
-        await mgr.load(1, into=target)
-        assert torch.equal(target["w"], state["w"])
-        pool = mgr._pool
-        assert pool.busy == 0
-        (warm,) = [s.name for s in pool._free]
-        target["step"] = 2
-        await (await mgr.save(2, target))
-        assert [s.name for s in pool._free] == [warm]  # the save took the warm slab
-        again = {"w": torch.zeros(1000), "step": 0}
-        await mgr.load(2, into=again)  # now through that slab
-        assert again["step"] == 2
-        assert [s.name for s in pool._free] == [warm]

@@ -103,10 +103,7 @@ class Loader:
 
         The slab is the one the next save of this state will use anyway: the daemon reads
         the shard straight into it (no fresh shared memory to fault in) and the copy out
-        into the targets is the only other pass over the bytes. Without a warm slab (the
-        first load of a run, a resume) the daemon reads into a fresh segment while that slab
-        is made alongside, instead of before the read (measured at 256 MiB a rank: 0.3-0.4 s
-        of a 1.2 s first load).
+        into the targets is the only other pass over the bytes.
         """
         slab = None
         init_optimizer_states(into)
@@ -126,23 +123,16 @@ class Loader:
             )
             for h in held.values()
         }
-        warming = None
         if layout is not None:
-            slab = self._pool.take_free(layout.file_size, layout.id)
-            if slab is None:
-                warming = self._pool.prewarm(layout.file_size)
+            slab = await self._pool.acquire(layout.file_size, layout.id)
         try:
-            try:
-                reply = await self._read(
-                    step,
-                    SlabRef(slab.name, slab.size) if slab is not None else None,
-                    wanted or None,
-                    keys,
-                    required,
-                )
-            finally:
-                if warming is not None:
-                    await self._pool.prewarmed(warming)
+            reply = await self._read(
+                step,
+                SlabRef(slab.name, slab.size) if slab is not None else None,
+                wanted or None,
+                keys,
+                required,
+            )
             if reply.segment is None:
                 assert slab is not None
                 self._pool.reuse_for_load(slab)

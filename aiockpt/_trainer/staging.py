@@ -13,7 +13,7 @@ import math
 import operator
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -376,8 +376,6 @@ def _copy_pieces(pieces: list[Piece], dsts: list[torch.Tensor], srcs: list[torch
 
 
 _helper = ThreadPoolExecutor(1, thread_name_prefix="aiockpt-copy")
-#: Makes the slab of a first load while the daemon reads (see SlabPool.prewarm).
-_warmer = ThreadPoolExecutor(1, thread_name_prefix="aiockpt-prewarm")
 
 
 def _on_two_threads(fn: Callable[..., None], here: tuple, there: tuple | None) -> None:
@@ -427,38 +425,6 @@ class SlabPool:
             raise
         self._busy[slab.name] = slab
         return slab
-
-    def take_free(self, size: int, layout_id: int) -> Slab | None:
-        """A free slab of at least ``size`` bytes, now, or None (none free, or none fits):
-        never waits and never makes one."""
-        if not any(s.size >= size for s in self._free):
-            return None
-        try:
-            self._sem.acquire_nowait()
-        except anyio.WouldBlock:
-            return None
-        slab = self._pick(size, layout_id)
-        assert slab is not None
-        self._busy[slab.name] = slab
-        return slab
-
-    def prewarm(self, size: int) -> Future[Slab] | None:
-        """Start making a slab of ``size`` bytes, its pages faulted in, on a thread of its own,
-        unless the pool already holds ``max_pending`` slabs: what a first load does alongside
-        its read, so that the next save finds a warm slab. Hand the future to
-        :meth:`prewarmed` when the read is over."""
-        if len(self._free) + len(self._busy) >= self.max_pending:
-            return None
-        return _warmer.submit(Slab, fmt.align_up(max(size, 1)))
-
-    async def prewarmed(self, made: Future[Slab]) -> None:
-        """Wait for a slab :meth:`prewarm` started, and keep it free in the pool."""
-        with anyio.CancelScope(shield=True):  # never drop a segment half made
-            slab = await anyio.to_thread.run_sync(made.result)
-        if len(self._free) + len(self._busy) < self.max_pending:
-            self._free.append(slab)
-        else:
-            slab.close()
 
     def _pick(self, size: int, layout_id: int) -> Slab | None:
         fits = [s for s in self._free if s.size >= size]
