@@ -204,6 +204,24 @@ async def dcp_load(rank: int, world: int, root: str, args: dict) -> dict:
     return {"after": train(model, opt, range(3, 6))}
 
 
+async def outside_group(rank: int, world: int, root: str, args: dict) -> dict:
+    """A manager of rank 0 alone, given a DTensor of a mesh over every rank: refused."""
+    mesh = init_device_mesh("cpu", (world,))
+    alone = dist.new_group([0])  # every rank takes part in making it
+    d = DTensor.from_local(torch.ones(2), mesh, [Shard(0)], run_check=False)
+    out: dict = {}
+    if rank == 0:
+        async with AsyncCheckpointManager(root, process_group=alone) as mgr:
+            try:
+                await (await mgr.save(1, {"d": d}))
+                out["error"] = None
+            except Exception as e:
+                out["error"] = {"type": type(e).__name__, "message": str(e)}
+            out["steps"] = await mgr.steps()
+    dist.barrier()
+    return out
+
+
 async def bad_loads(rank: int, world: int, root: str, args: dict) -> dict:
     """Targets the TP layout's checkpoint does not fit; each load must fail, target untouched."""
     mesh = init_device_mesh("cpu", (world,))
@@ -269,6 +287,7 @@ SCENARIOS = {
         dcp_load,
         bad_saves,
         bad_loads,
+        outside_group,
     )
 }
 

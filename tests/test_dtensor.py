@@ -149,3 +149,11 @@ def test_unsavable_dtensor_states_fail_on_every_rank_with_nothing_written(tmp_pa
         assert shapes is not None
         assert "s: the ranks hold different DTensors" in shapes["message"]
     assert not list(Path(root).glob("step_*"))
+
+
+def test_a_dtensor_whose_mesh_reaches_outside_the_managers_group_is_refused(tmp_path):
+    root = str(tmp_path / "root")
+    first, _ = ranks("outside_group", 2, tmp_path, root)
+    assert first["error"]["type"] == "UnsupportedValueError"
+    assert "d: the DTensor's device mesh holds global ranks [1]" in first["error"]["message"]
+    assert first["steps"] == []
