@@ -30,9 +30,10 @@ Part 2, planning at scale, in one process, no I/O: each of N simulated ranks' en
 DTensors (Shard(0) on an (N,) mesh) built as a daemon builds them, merged into a manifest as
 rank 0's daemon merges them, parsed as a load parses it, and the read plan of every rank of a
 512-rank target layout computed as the daemon's assembler computes it (``read_plan`` of the
-wanted box against every saved chunk; timed on a sample of the target ranks and scaled to
-all of them), and the same plans through a dim-0 index of the chunks, as a sketch of what
-could replace that scan. Timed at 256, 512 and 1024 ranks; the largest is profiled.
+wanted box against the saved chunks ``DTensorRecord.meeting`` finds by bisection on dim 0;
+timed on a sample of the target ranks and scaled to all of them), and the same plans through
+a separate dim-0 index of the chunks, a cross-check that both find the same reads. Timed at
+256, 512 and 1024 ranks; the largest is profiled.
 
 Results: a markdown table on stdout, ``reshard.json`` in the output directory (compare.py's:
 docs/, or bench-data/ with --quick; bench-data/ when run on its own).
@@ -403,12 +404,12 @@ def read_range(saved: Any, runs: list[Any], block: int) -> tuple[str, int, int, 
 
 
 def naive_plan(records: dict[str, Any], boxes: dict[str, Any], block: int) -> list[tuple]:
-    """One target rank's plan as aiockpt's Assembler.fill makes it: every saved chunk tried
-    against the wanted box."""
+    """One target rank's plan as aiockpt's Assembler.fill makes it: the saved chunks whose
+    rows meet the wanted box (DTensorRecord.meeting, a bisection), each tried against it."""
     plan = []
     for name, rec in records.items():
         box = boxes[name]
-        for saved in rec.chunks:
+        for saved in rec.meeting(box):
             runs = read_plan(saved.chunk, box, 4)
             if runs:
                 plan.append((name, *read_range(saved, runs, block)))
