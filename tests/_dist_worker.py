@@ -5,15 +5,12 @@ Runs a scenario against a real gloo process group and writes what it saw to OUT 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import sys
 import time
 
-import anyio
 import torch
-import torch.distributed as dist
+from _support.ranks import serve_rank
 
 from aiockpt import AsyncCheckpointManager, LatestN
 
@@ -117,17 +114,5 @@ async def late_refusal(rank: int, world: int, root: str) -> dict:
 SCENARIOS = {f.__name__: f for f in (save_load, kill_daemon, mismatch, replicated, late_refusal)}
 
 
-def main() -> None:
-    scenario, rank, world, store, root, out = sys.argv[1:7]
-    rank, world = int(rank), int(world)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        result = anyio.run(SCENARIOS[scenario], rank, world, root)
-    finally:
-        dist.destroy_process_group()
-    with open(out, "w") as f:
-        json.dump(result, f)
-
-
 if __name__ == "__main__":
-    main()
+    serve_rank(SCENARIOS, with_args=False)

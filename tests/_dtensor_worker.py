@@ -7,12 +7,9 @@ single-process gradients exactly and training is bit-identical on any world size
 
 from __future__ import annotations
 
-import json
-import sys
-
-import anyio
 import torch
 import torch.distributed as dist
+from _support.ranks import serve_rank
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -292,17 +289,5 @@ SCENARIOS = {
 }
 
 
-def main() -> None:
-    scenario, rank, world, store, root, out, args = sys.argv[1:8]
-    rank, world = int(rank), int(world)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        result = anyio.run(SCENARIOS[scenario], rank, world, root, json.loads(args) or {})
-    finally:
-        dist.destroy_process_group()
-    with open(out, "w") as f:
-        json.dump(result, f)
-
-
 if __name__ == "__main__":
-    main()
+    serve_rank(SCENARIOS)

@@ -40,3 +40,21 @@ def run_ranks(
                 p.wait()
     assert codes == [0] * world, f"rank exit codes {codes}"
     return [json.loads(o.read_text()) for o in outs]
+
+
+def serve_rank(scenarios: dict, *, with_args: bool = True) -> None:
+    """The body of a worker module: ``SCENARIO RANK WORLD STORE ROOT OUT [ARGS]`` from argv;
+    joins the gloo group, runs ``scenarios[SCENARIO](rank, world, root[, args])`` under anyio
+    and writes its result to OUT as JSON."""
+    import anyio
+    import torch.distributed as dist
+
+    scenario, rank, world, store, root, out = sys.argv[1:7]
+    extra = [json.loads(sys.argv[7]) or {}] if with_args else []
+    r, w = int(rank), int(world)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=r, world_size=w)
+    try:
+        result = anyio.run(scenarios[scenario], r, w, root, *extra)
+    finally:
+        dist.destroy_process_group()
+    Path(out).write_text(json.dumps(result))
