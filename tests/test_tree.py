@@ -233,3 +233,25 @@ def test_one_unsupported_value_is_reported_as_before():
         flatten({"a": object()})
     assert info.value.problems == [("a", info.value.reason)]
     assert "more" not in str(info.value)
+
+
+def test_namedtuples_and_dataclasses_are_refused_with_the_fix_in_the_message():
+    import collections
+    import dataclasses
+
+    Point = collections.namedtuple("Point", "x y")
+
+    @dataclasses.dataclass
+    class Config:
+        lr: float = 0.1
+
+    class Items(list):
+        pass
+
+    with pytest.raises(UnsupportedValueError) as info:
+        flatten({"p": Point(1, 2), "c": Config(), "i": Items([1])})
+    problems = dict(info.value.problems)
+    assert "value._asdict()" in problems["p"]
+    assert "dataclasses.asdict(value)" in problems["c"]
+    assert "save list(value)" in problems["i"]
+    assert flatten({"t": (1, 2), "l": [3]}).tree  # plain ones are fine

@@ -8,6 +8,7 @@ value, or an object with state_dict()/load_state_dict() is refused with its key 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import sys
@@ -245,6 +246,8 @@ class _Walk:
                         return ref
                 return self.mapping(value, path, depth)
             if isinstance(value, (list, tuple)):
+                if type(value) is not list and type(value) is not tuple:
+                    raise UnsupportedValueError(path, _subclass_problem(value))
                 tag = LIST if isinstance(value, list) else TUPLE
                 return {tag: [self.walk(v, _path(path, i), depth + 1) for i, v in enumerate(value)]}
             if is_stateful(value):
@@ -254,9 +257,16 @@ class _Walk:
                 return {STATEFUL: self.walk(sd, path, depth + 1)}
         finally:
             self.active.discard(id(value))
+        if dataclasses.is_dataclass(value):
+            raise UnsupportedValueError(
+                path,
+                f"a dataclass ({_type_name(value)}) is not saved, since it would come back as "
+                "a dict: save dataclasses.asdict(value) and rebuild it after loading, or give "
+                "it state_dict()/load_state_dict()",
+            )
         raise UnsupportedValueError(
             path,
-            f"values of type {type(value).__module__}.{type(value).__qualname__} cannot be saved "
+            f"values of type {_type_name(value)} cannot be saved "
             "(tensors, JSON values, and objects with state_dict()/load_state_dict() can)",
         )
 
@@ -463,6 +473,25 @@ def _every_problem(state: Any, first: UnsupportedValueError) -> UnsupportedValue
         walk.walk(state, "", 0)
     found = [(p, m) for e in walk.problems for p, m in e.problems] or first.problems
     return UnsupportedValueError(found[0][0], found[0][1], more=found[1:])
+
+
+def _type_name(value: Any) -> str:
+    return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
+def _subclass_problem(value: Any) -> str:
+    """Why a list or tuple subclass (a namedtuple, say) is refused, and what to do instead:
+    it would come back as a plain list or tuple, and nothing is pickled."""
+    if isinstance(value, tuple) and hasattr(value, "_asdict"):
+        return (
+            f"a namedtuple ({_type_name(value)}) would come back as a plain tuple: save "
+            "value._asdict() (a dict) and rebuild it after loading"
+        )
+    kind = "list" if isinstance(value, list) else "tuple"
+    return (
+        f"a {kind} subclass ({_type_name(value)}) would come back as a plain {kind}: save "
+        f"{kind}(value)"
+    )
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
