@@ -102,3 +102,20 @@ async def test_keys_select_distributed_tensors_whole(tmp_path):
     assert sorted(out) == ["step", "w"]
     assert out["w"].shape == (6, 10)
     assert read_bytes(events) == 6 * 10 * 4
+
+
+async def test_keys_with_into_check_keys_only_within_the_selection(saved):
+    mgr, _ = saved
+    s = state()
+    target = {
+        "model": {"embed": torch.zeros(64, 32), "layers.3": {"w": torch.zeros(32, 32)}},
+        "optim": {"m": torch.zeros(64, 32)},  # outside the selection: left alone
+    }
+    target["model"]["layers.3"]["b"] = torch.zeros(32)
+    target["model"]["layers.4"] = {"w": torch.zeros(32, 32)}
+    await mgr.load(1, into=target, keys=["model"])
+    assert torch.equal(target["model"]["layers.3"]["w"], s["model"]["layers.3"]["w"])
+    assert not target["optim"]["m"].any()
+    del target["model"]["layers.4"]
+    with pytest.raises(LoadMismatchError, match="saved but not in the target: model/layers.4"):
+        await mgr.load(1, into=target, keys=["model"])

@@ -150,6 +150,7 @@ class Loader:
                     copy=copy_pairs,
                     held=held,
                     strict=strict,
+                    scope=keys if required else None,
                 )
             )
             del tensors

@@ -667,6 +667,7 @@ def load_into(
     copy: Callable[[list[torch.Tensor], list[torch.Tensor]], None] = torch._foreach_copy_,
     held: Mapping[str, Any] | None = None,
     strict: bool = True,
+    scope: tuple[str, ...] | None = None,
 ) -> Any:
     """Restore ``tree`` into ``target`` in place where it can; return the restored value.
 
@@ -679,10 +680,13 @@ def load_into(
     are not ``owned`` (views of a buffer that will be reused). ``held`` has the target's
     DTensors by key path (dtensor.Held). Without ``strict``, what both hold is restored and
     the rest left as it is: saved keys the target lacks are not added, target keys the
-    checkpoint lacks keep their values; the returned Restored says which.
+    checkpoint lacks keep their values; the returned Restored says which. ``scope`` (the key
+    paths a load selected) limits the key check to what lies under them.
     """
     restorer = _Restorer(tensors, owned, held or {})
     result = restorer.restore(target, tree, "")
+    if scope is not None:  # target keys outside the selection read were not asked for
+        restorer.only_target = [p for p in restorer.only_target if _within(p, scope)]
     if strict and (restorer.only_saved or restorer.only_target):
         raise LoadMismatchError(restorer.key_difference())
     if restorer.dsts:
@@ -707,6 +711,10 @@ class Restored:
     only_saved: tuple[str, ...] = ()
     #: Target key paths the checkpoint lacked (left as they were).
     only_target: tuple[str, ...] = ()
+
+
+def _within(path: str, keys: tuple[str, ...]) -> bool:
+    return any(path == k or path.startswith(k + "/") for k in keys)
 
 
 def _listed(paths: list[str], limit: int = 10) -> str:
