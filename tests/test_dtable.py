@@ -248,3 +248,28 @@ def test_a_target_of_another_shape_or_dtype_is_a_load_mismatch():
         wanted_box(rec, ("I64", (4, 4), ((0, 0), (2, 4))))
     with pytest.raises(LoadMismatchError, match="outside"):
         wanted_box(rec, ("F32", (4, 4), ((3, 0), (2, 4))))
+
+
+def test_the_spliced_merge_equals_the_decoded_one():
+    mesh, placements = (4,), (Shard(0),)
+    parts = []
+    for rank, coord in enumerate(coordinates(mesh)):
+        chunk = chunk_at((7, 3), mesh, coord, placements)
+        writes = chunk.numel > 0
+        entries = [
+            dtable.RankEntry(n, "F32", (7, 3), ("Shard(dim=0)",), mesh, chunk if writes else None)
+            for n in ("a", "b/c", 'q"uote')
+        ]
+        blocks = {n: [rank, 7] for n in ("a", "b/c", 'q"uote')}
+        parts.append((fmt.shard_filename(rank), dtable.rank_json(entries, blocks)))
+    spliced = dtable.merge(parts)
+    assert spliced is not None
+    decoded = dtable._merge_decoded([(s, t.split("\n")) for s, t in parts])
+    assert json.loads(spliced) == json.loads(decoded)
+    assert spliced == decoded
+    # Ranks 0-3 hold 2, 2, 2, 1 rows: four chunks, none for an empty piece.
+    assert [c["sizes"] for c in json.loads(spliced)["a"]["chunks"]] == [[2, 3]] * 3 + [[1, 3]]
+    # A rank without DTensors takes the decoded path, with the same result for the others.
+    assert json.loads(dtable.merge([*parts, ("shard_r00004.safetensors", "")])) == json.loads(
+        decoded
+    )
