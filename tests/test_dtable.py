@@ -202,6 +202,7 @@ def _set(key, value, chunk=0):
         (_set("shard", "shard_r00009.safetensors"), "does not list"),
         (_set("blocks", [0]), "bad block checksums"),
         (_set("sizes", [2, 3]), "holds it as F32\\[2, 4\\]"),
+        (_set("sizes", [2.0, 4]), "holds it as F32\\[2, 4\\]"),
         (_set("offsets", [0, -1]), "bad offsets"),
         (_set("offsets", [0.0, 0]), "bad offsets"),
         (lambda e: e.update(dtype="Q8"), "unknown dtype"),
