@@ -14,7 +14,7 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
-from _support.roots import make_partial, step_numbers
+from _support.roots import flip_byte, make_partial, manifest_of, step_numbers
 
 from aiockpt import AsyncCheckpointManager
 from aiockpt._core import format as fmt
@@ -75,19 +75,6 @@ def aiockpt(*args: str) -> subprocess.CompletedProcess[str]:
 
 def shard(root: str, step: int) -> str:
     return os.path.join(root, fmt.step_dirname(step), fmt.shard_filename(0))
-
-
-def manifest_of(root: str, step: int) -> dict:
-    with open(os.path.join(root, fmt.step_dirname(step), fmt.MANIFEST)) as f:
-        return json.load(f)
-
-
-def flip_byte(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x01]))
 
 
 # --------------------------------------------------------------------------- ls and show

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from _export_worker import model, save
 from _support.ranks import run_ranks
+from _support.roots import flip_byte
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -74,14 +75,6 @@ def same(t: torch.Tensor, saved: dict) -> bool:
 
 def manifest_path(root: str) -> str:
     return os.path.join(root, STEP, fmt.MANIFEST)
-
-
-def flip_byte(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x01]))
 
 
 def flip_tensor_byte(root: str, shard: str, name: str) -> None:

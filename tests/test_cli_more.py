@@ -14,7 +14,7 @@ import anyio
 import pytest
 import torch
 import torch.distributed as dist
-from _support.roots import make_partial
+from _support.roots import flip_byte, make_partial, manifest_of
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -106,19 +106,6 @@ def aiockpt_run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [SCRIPT, *args], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL
     )
-
-
-def manifest_of(root: str, step: int) -> dict:
-    with open(os.path.join(root, fmt.step_dirname(step), fmt.MANIFEST)) as f:
-        return json.load(f)
-
-
-def flip_byte(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x01]))
 
 
 def section(out: str, title: str) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import psutil
@@ -9,6 +10,21 @@ import psutil
 from aiockpt._core import format as fmt
 
 SHM = "/dev/shm"
+
+
+def manifest_of(root: str, step: int) -> dict:
+    """The manifest of ``step`` in ``root``, as JSON."""
+    with open(os.path.join(root, fmt.step_dirname(step), fmt.MANIFEST)) as f:
+        return json.load(f)
+
+
+def flip_byte(path: str, offset: int) -> None:
+    """Flip one bit of the byte at ``offset`` of ``path``: corruption, the smallest kind."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
 
 
 def step_numbers(root: str) -> list[int]:

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from _support.roots import flip_byte
 
 from aiockpt import AsyncCheckpointManager
 from aiockpt.errors import CheckpointNotFoundError, CorruptCheckpointError
@@ -30,14 +31,6 @@ def state() -> dict:
         "mask": torch.ones(17, dtype=torch.bool),
         "step": 1,
     }
-
-
-def flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x01]))  # one bit is enough
 
 
 def verify_cli(root: str) -> tuple[int, str]:
@@ -65,7 +58,7 @@ async def test_one_flipped_byte_names_file_and_tensor(root, seed):
         name = rng.choice(sorted(tensors))
         start, end = tensors[name]["byte_range"]
         shard = os.path.join(step_dir(root, 1), SHARD)
-        flip(shard, rng.randrange(start, end))
+        flip_byte(shard, rng.randrange(start, end))
         with pytest.raises(CorruptCheckpointError) as exc:
             await mgr.load(1)
         assert exc.value.key == name
@@ -88,7 +81,7 @@ async def test_flipped_header_byte_is_caught_by_the_shard_crc(root):
     async with AsyncCheckpointManager(root) as mgr:
         await (await mgr.save(1, state()))
         shard = os.path.join(step_dir(root, 1), SHARD)
-        flip(shard, 20)
+        flip_byte(shard, 20)
         out = await mgr.load(1)
     assert torch.equal(out["model"]["w"], state()["model"]["w"])
     with pytest.raises(AssertionError, match=SHARD):
