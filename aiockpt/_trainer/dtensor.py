@@ -126,11 +126,9 @@ def check_placements(dt: DTensor, path: str) -> Chunk | None:
 
 
 @dataclass(frozen=True, slots=True)
-class Held:
-    """A DTensor of a state, as this rank saves it or loads into it."""
+class _Facts:
+    """What a DTensor's mesh, placements and global shape decide for this rank."""
 
-    name: str
-    tensor: DTensor
     #: The global shape, and the placements and mesh shape (as text, for the manifest).
     shape: tuple[int, ...]
     placements: tuple[str, ...]
@@ -143,30 +141,34 @@ class Held:
     #: the chunk holds something.
     writes: bool
 
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """A DTensor of a state, as this rank saves it or loads into it."""
+
+    name: str
+    tensor: DTensor
+    facts: _Facts
+
+    shape = property(lambda self: self.facts.shape, doc="The global shape.")
+    placements = property(lambda self: self.facts.placements, doc="Placements, as text.")
+    mesh = property(lambda self: self.facts.mesh, doc="The mesh's shape.")
+    mesh_ranks = property(lambda self: self.facts.mesh_ranks, doc="The mesh's global ranks.")
+    chunk = property(lambda self: self.facts.chunk, doc="This rank's chunk, None outside.")
+    writes = property(lambda self: self.facts.writes, doc="Whether this rank writes it.")
+
     @property
     def key(self) -> tuple:
         """What decides the shard layout and the manifest entry."""
-        return (self.shape, self.placements, self.mesh, self.chunk, self.writes)
+        f = self.facts
+        return (f.shape, f.placements, f.mesh, f.chunk, f.writes)
 
 
 def describe(dt: DTensor, path: str) -> Held:
     """What this rank saves of ``dt``, found at key path ``path``; refuses (with
     :class:`~aiockpt.errors.UnsupportedValueError` naming ``path``) what check_placements
     refuses."""
-    f = _facts(dt, path)
-    return Held(path, dt, f.shape, f.placements, f.mesh, f.mesh_ranks, f.chunk, f.writes)
-
-
-@dataclass(frozen=True, slots=True)
-class _Facts:
-    """What a DTensor's mesh, placements and global shape decide for this rank."""
-
-    shape: tuple[int, ...]
-    placements: tuple[str, ...]
-    mesh: tuple[int, ...]
-    mesh_ranks: tuple[int, ...]
-    chunk: Chunk | None
-    writes: bool
+    return Held(path, dt, _facts(dt, path))
 
 
 def _facts(dt: DTensor, path: str) -> _Facts:
