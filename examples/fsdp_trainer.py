@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import anyio
 import torch
@@ -58,7 +59,7 @@ async def train(root: str, steps: int, stop_after: int | None, save_every: int) 
     opt = torch.optim.AdamW(model.parameters(), lr=0.02)
     state = {"model": model, "optim": opt, "step": 0}
     rows = model[2].weight.to_local().shape[0]  # this rank's piece of a DTensor
-    print(f"[rank {rank}/{world}] holds {rows} of the output layer's {OUT} rows", flush=True)
+    say(f"[rank {rank}/{world}] holds {rows} of the output layer's {OUT} rows")
 
     async with AsyncCheckpointManager(root, retention=LatestN(2)) as mgr:
         start = 0
@@ -67,7 +68,7 @@ async def train(root: str, steps: int, stop_after: int | None, save_every: int) 
             # first (it has no state yet), then restored.
             await mgr.load(into=state)
             start = state["step"]
-            print(f"[rank {rank}/{world}] RESUMED from step {start}", flush=True)
+            say(f"[rank {rank}/{world}] RESUMED from step {start}")
         pending: SaveHandle | None = None
         step, loss = start, float("nan")
         for step in range(start + 1, steps + 1):
@@ -78,22 +79,26 @@ async def train(root: str, steps: int, stop_after: int | None, save_every: int) 
             opt.step()
             loss = out.item()
             if rank == 0:
-                print(f"step {step:4d}  loss {loss:.6f}", flush=True)
+                say(f"step {step:4d}  loss {loss:.6f}")
             if step % save_every == 0:
                 await committed(pending, rank)  # at most one save in flight
                 state["step"] = step
                 # Returns once the state is copied out: training goes on while it is written.
                 pending = await mgr.save(step, state, metrics={"loss": loss})
             if stop_after is not None and step >= stop_after:
-                print(
-                    f"[rank {rank}/{world}] stopping after step {step} (as if preempted)",
-                    flush=True,
-                )
+                say(f"[rank {rank}/{world}] stopping after step {step} (as if preempted)")
                 break
         await committed(pending, rank)
         if rank == 0:
-            print(f"committed steps: {await mgr.steps()}", flush=True)
-            print(f"done step={step} loss={loss!r}", flush=True)
+            say(f"committed steps: {await mgr.steps()}")
+            say(f"done step={step} loss={loss!r}")
+
+
+def say(line: str) -> None:
+    """Print one line in one write: the ranks share torchrun's stdout, and print() writes
+    the text and its newline apart, so another rank's line could land between them."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 async def committed(handle: SaveHandle | None, rank: int) -> None:
@@ -102,7 +107,7 @@ async def committed(handle: SaveHandle | None, rank: int) -> None:
         return
     info = await handle
     if rank == 0:
-        print(f"saved step {info.step} to {info.url}", flush=True)
+        say(f"saved step {info.step} to {info.url}")
 
 
 def main() -> None:
