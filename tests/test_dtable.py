@@ -213,11 +213,59 @@ def _set(key, value, chunk=0):
         (lambda e: e.update(chunks={}), "chunks is not a list"),
     ],
 )
-def test_hostile_chunk_tables_are_refused_naming_the_tensor(mutate, why):
+@pytest.mark.parametrize("lazy", [False, True], ids=["parsed in full", "lazily, when loaded"])
+def test_hostile_chunk_tables_are_refused_naming_the_tensor(mutate, why, lazy):
     table, tensors = hostile(mutate)
     with pytest.raises(CorruptCheckpointError, match=why) as info:
-        dtable.parse_dtensors(table, tensors, 16, path="m")
+        load_whole(table, tensors, lazy=lazy)
     assert info.value.key == "w"
+
+
+def load_whole(table: dict, tensors: dict, *, lazy: bool) -> None:
+    """Parse the table and use its chunks as a load of the whole tensor does."""
+    records = dtable.parse_dtensors(table, tensors, 16, path="m", lazy=lazy)
+    records["w"].covering(Chunk((0, 0), (4, 4)))
+
+
+def lazy_record(mutate) -> dtable.DTensorRecord:
+    table, tensors = hostile(mutate)
+    return dtable.parse_dtensors(table, tensors, 16, path="m", lazy=True)["w"]
+
+
+def test_a_lazy_table_checks_the_chunks_a_box_uses_and_no_others():
+    # Rank 1's chunk (rows 2-3) has a wrong number of block crcs: only boxes that need one of
+    # its rows fail, and the whole table fails a full check.
+    rec = lazy_record(_set("blocks", [0], chunk=1))
+    top = rec.covering(Chunk((0, 0), (2, 4)))
+    assert [c.chunk for c in top] == [Chunk((0, 0), (2, 4))]
+    assert [c.chunk for c in rec.covering(Chunk((1, 1), (1, 2)))] == [Chunk((0, 0), (2, 4))]
+    with pytest.raises(CorruptCheckpointError, match="chunk 1 has bad block checksums"):
+        rec.covering(Chunk((1, 0), (2, 4)))
+    with pytest.raises(CorruptCheckpointError, match="chunk 1 has bad block checksums"):
+        rec.chunks  # noqa: B018
+
+
+def test_a_lazy_table_refuses_a_box_it_does_not_cover_or_covers_twice():
+    missing = lazy_record(lambda e: e["chunks"].pop())  # rows 2-3 saved nowhere
+    assert len(missing.covering(Chunk((0, 0), (2, 4)))) == 1
+    with pytest.raises(CorruptCheckpointError, match="chunks hold 8 elements"):
+        missing.covering(Chunk((1, 0), (2, 4)))
+    # Rank 1's chunk moved up a row: row 1 is held twice, row 3 by nobody.
+    twice = lazy_record(_set("offsets", [1, 0], chunk=1))
+    with pytest.raises(CorruptCheckpointError, match="overlap"):
+        twice.covering(Chunk((0, 0), (2, 4)))
+
+
+def test_a_lazy_table_refuses_a_malformed_chunk_as_a_full_parse_does():
+    for mutate in (lambda e: e["chunks"].append(3), _set("offsets", "01"), _set("sizes", None)):
+        table, tensors = hostile(mutate)
+        with pytest.raises(CorruptCheckpointError) as full:
+            dtable.parse_dtensors(table, tensors, 16, path="m")
+        with pytest.raises(CorruptCheckpointError) as lazy:
+            dtable.parse_dtensors(table, tensors, 16, path="m", lazy=True)["w"].covering(
+                Chunk((0, 0), (1, 1))
+            )
+        assert str(lazy.value) == str(full.value)
 
 
 def test_overlapping_chunks_that_sum_to_the_whole_are_refused():

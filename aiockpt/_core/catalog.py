@@ -12,7 +12,7 @@ untrusted: manifests are size-checked before they are read and validated as they
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 
 import crc32c
 
@@ -79,10 +79,11 @@ class Catalog:
             )
         return self.storage.read_range(path, 0, size), where
 
-    def read_manifest(self, step: int) -> fmt.Manifest:
-        """A step's manifest, validated in full."""
+    def read_manifest(self, step: int, *, lazy: bool = False) -> fmt.Manifest:
+        """A step's manifest, validated in full (``lazy``: its records as they are used, see
+        :func:`format.parse_manifest`)."""
         data, where = self.manifest_bytes(step)
-        return fmt.parse_manifest(data, path=where, step=step)
+        return fmt.parse_manifest(data, path=where, step=step, lazy=lazy)
 
     def read_record(self, step: int) -> CheckpointRecord:
         """The step's commit time and metrics, without checking the rest of its manifest."""
@@ -137,7 +138,7 @@ class Catalog:
         self,
         step: int,
         shard: fmt.ShardRecord,
-        records: dict[str, fmt.TensorRecord],
+        records: Mapping[str, fmt.TensorRecord],
         progress: Callable[[int], None] = lambda nbytes: None,
         *,
         chunk: int = VERIFY_CHUNK,
@@ -173,7 +174,7 @@ class ShardCrcs:
     """The crc32c of a whole shard and of each of its tensors, computed as the shard streams
     by in consecutive pieces: each piece updates every tensor it overlaps."""
 
-    def __init__(self, records: dict[str, fmt.TensorRecord]) -> None:
+    def __init__(self, records: Mapping[str, fmt.TensorRecord]) -> None:
         self.order = sorted(records.items(), key=lambda item: (item[1].start, item[1].end))
         self.crcs = dict.fromkeys(records, 0)
         self.whole = 0

@@ -10,24 +10,25 @@ reshard) verifies the blocks it reads instead of reading the whole chunk to chec
 
 On the way to the manifest each rank's daemon sends its own entries (:func:`rank_json`,
 one chunk or none per name) and rank 0 merges them (:func:`merge`). Everything read back
-is checked by :func:`parse_dtensors` before it is used.
+is checked by :func:`parse_dtensors` and :class:`DTensorRecord` before it is used.
 """
 
 from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 import json
 import math
 import operator
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 import crc32c
 
 from ..errors import CorruptCheckpointError
-from .chunks import Chunk, check_chunks
+from .chunks import Chunk, check_chunks, overlap
 from .dtypes import DTYPE_SIZES
 from .gc import no_gc
 from .tree import bounded_repr as _short
@@ -59,51 +60,165 @@ class ChunkRecord:
         return self.end - self.start
 
 
-@dataclass(frozen=True, slots=True)
 class DTensorRecord:
-    """A distributed tensor of a checkpoint: global dtype and shape, and its chunks."""
+    """A distributed tensor of a checkpoint: global dtype and shape, and its chunks.
 
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    placements: tuple[str, ...]
-    mesh: tuple[int, ...]
-    chunks: tuple[ChunkRecord, ...]
-    #: The non-empty chunks by their start on dim 0, those starts, and the furthest end on
-    #: dim 0 of each chunk and the ones before it: what meeting() bisects.
-    _by_start: tuple[ChunkRecord, ...] = field(default=(), repr=False, compare=False)
-    _starts: tuple[int, ...] = field(default=(), repr=False, compare=False)
-    _reach: tuple[int, ...] = field(default=(), repr=False, compare=False)
+    The table's head (dtype, shape, placements, mesh) is checked when the manifest is parsed,
+    its chunks when they are used: :attr:`chunks` checks every chunk and that they tile the
+    tensor, :meth:`covering` only the chunks that meet one box, and that those tile the box.
+    A rank loading its part of a checkpoint of 1024 ranks thus checks the few chunks it reads,
+    not all 200k of the table (which cost it seconds), and every byte it uses is still
+    proven to be saved exactly once.
+    """
 
-    def __post_init__(self) -> None:
-        if not self.shape:
-            return
-        chunks = sorted((c for c in self.chunks if c.chunk.numel), key=lambda c: c.chunk.offsets)
-        reach, furthest = [], 0
-        for c in chunks:
-            furthest = max(furthest, c.chunk.offsets[0] + c.chunk.sizes[0])
-            reach.append(furthest)
-        object.__setattr__(self, "_by_start", tuple(chunks))
-        object.__setattr__(self, "_starts", tuple(c.chunk.offsets[0] for c in chunks))
-        object.__setattr__(self, "_reach", tuple(reach))
+    __slots__ = (
+        "_all",
+        "_block",
+        "_index",
+        "_parsed",
+        "_path",
+        "_raw",
+        "_tensors",
+        "dtype",
+        "mesh",
+        "name",
+        "placements",
+        "shape",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        dtype: str,
+        shape: tuple[int, ...],
+        placements: tuple[str, ...],
+        mesh: tuple[int, ...],
+        raw_chunks: list[Any],
+        tensors: Mapping[str, Mapping[str, Any]],
+        block: int,
+        path: str,
+    ) -> None:
+        self.name, self.dtype, self.shape = name, dtype, shape
+        self.placements, self.mesh = placements, mesh
+        self._raw, self._tensors, self._block, self._path = raw_chunks, tensors, block, path
+        self._parsed: list[ChunkRecord | None] = [None] * len(raw_chunks)
+        self._all: tuple[ChunkRecord, ...] | None = None
+        #: The raw chunks' order by their start on dim 0, those starts, and the furthest end
+        #: on dim 0 of each chunk and the ones before it: what covering() bisects.
+        self._index: tuple[list[int], list[int], list[int]] | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"DTensorRecord({self.name!r}, {self.dtype}{list(self.shape)}, {len(self._raw)} chunks)"
+        )
 
     @property
     def nbytes(self) -> int:
         """The global tensor's size in bytes (its chunks', each element saved once)."""
         return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
 
-    def meeting(self, box: Chunk) -> Sequence[ChunkRecord]:
-        """The chunks whose rows (dim 0) meet ``box``'s, in order: a superset of those that
-        overlap it, found by bisection, so that a load on many ranks does not try every
-        saved chunk against its box (at 1024 saving ranks, 200 DTensors: 200k tries)."""
+    @property
+    def chunks(self) -> tuple[ChunkRecord, ...]:
+        """Every chunk, checked, and checked to tile the tensor exactly once."""
+        if self._all is None:
+            chunks = tuple(self._chunk(i) for i in range(len(self._raw)))
+            seen: set[str] = set()
+            for c in chunks:
+                if c.shard in seen:
+                    raise self._bad(f"two chunks in {c.shard}")
+                seen.add(c.shard)
+            where = f"{self._path}: distributed tensor {_short(self.name)}"
+            try:
+                check_chunks(
+                    self.shape, [c.chunk for c in chunks], where=where, bounds_checked=True
+                )
+            except CorruptCheckpointError as e:
+                raise CorruptCheckpointError(str(e), path=self._path, key=self.name) from None
+            self._all = chunks
+        return self._all
+
+    def covering(self, box: Chunk) -> list[ChunkRecord]:
+        """The non-empty chunks that hold part of ``box``, in dim-0 order, each checked and
+        together checked to tile ``box`` exactly. They are found by bisection on dim 0, so
+        that a load on many ranks does not try every saved chunk against its box."""
         if not self.shape:
-            return self.chunks
+            return list(self.chunks)
+        order, starts, reach = self._index or self._dim0_index()
         lo, hi = box.offsets[0], box.offsets[0] + box.sizes[0]
         # Chunks before `first` all end at or before lo; those from `last` start at hi or
-        # later. _reach is non-decreasing, so both are bisections.
-        first = bisect.bisect_right(self._reach, lo)
-        last = bisect.bisect_left(self._starts, hi)
-        return self._by_start[first:last]
+        # later. reach is non-decreasing, so both are bisections.
+        first = bisect.bisect_right(reach, lo)
+        last = bisect.bisect_left(starts, hi)
+        found = []
+        for i in order[first:last]:
+            c = self._chunk(i)
+            if c.chunk.numel and (part := overlap(c.chunk, box)) is not None:
+                found.append((c, part))
+        if self._all is None:  # not known to tile the tensor: prove these tile the box
+            self._check_box(box, found)
+        return [c for c, _ in found]
+
+    def _chunk(self, i: int) -> ChunkRecord:
+        rec = self._parsed[i]
+        if rec is None:
+            rec = self._parsed[i] = _parse_chunk(
+                self._raw[i],
+                i,
+                self.name,
+                self.dtype,
+                self.shape,
+                self._tensors,
+                self._block,
+                self._bad,
+            )
+        return rec
+
+    def _dim0_index(self) -> tuple[list[int], list[int], list[int]]:
+        # Built from the raw table in bulk (C-level passes, as _ints does); covering()
+        # checks each chunk it returns, and that they tile its box, so a hostile start or
+        # size here can only make a load fail, never read a wrong byte.
+        raw = self._raw
+        try:
+            starts = [c["offsets"][0] for c in raw]
+            sizes = [c["sizes"][0] for c in raw]
+            ints = _INT.issuperset(map(type, starts)) and _INT.issuperset(map(type, sizes))
+        except (TypeError, KeyError, IndexError):
+            ints = False
+        if not ints:
+            self.chunks  # noqa: B018 - raises, naming the bad chunk
+            raise self._bad("malformed chunk table")
+        order = sorted(range(len(raw)), key=starts.__getitem__)
+        ends = list(map(operator.add, starts, sizes))
+        index = (
+            order,
+            list(map(starts.__getitem__, order)),
+            list(itertools.accumulate(map(ends.__getitem__, order), max)),
+        )
+        self._index = index
+        return index
+
+    def _check_box(self, box: Chunk, found: list[tuple[ChunkRecord, Chunk]]) -> None:
+        where = f"{self._path}: distributed tensor {_short(self.name)}"
+        base = box.offsets
+        parts = [Chunk(tuple(map(operator.sub, p.offsets, base)), p.sizes) for _, p in found]
+        try:
+            if len({c.shard for c, _ in found}) != len(found):
+                raise CorruptCheckpointError(f"{where}: two chunks in one shard")
+            check_chunks(box.sizes, parts, where=where, bounds_checked=True)
+        except CorruptCheckpointError as e:
+            self.chunks  # noqa: B018 - raises what is wrong with the whole table, if anything
+            raise CorruptCheckpointError(
+                f"{e} (within the box at {list(box.offsets)} of sizes {list(box.sizes)})",
+                path=self._path,
+                key=self.name,
+            ) from None
+
+    def _bad(self, why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{self._path}: distributed tensor {_short(self.name)}: {why}",
+            path=self._path,
+            key=self.name,
+        )
 
 
 def block_crcs(data: memoryview, block: int = BLOCK_BYTES) -> list[int]:
@@ -221,25 +336,34 @@ def _describe(entry: dict[str, Any]) -> str:
 
 
 def parse_dtensors(
-    raw: Any, tensors: dict[str, dict[str, Any]], block: Any, *, path: str
+    raw: Any,
+    tensors: Mapping[str, Mapping[str, Any]],
+    block: Any,
+    *,
+    path: str,
+    lazy: bool = False,
 ) -> dict[str, DTensorRecord]:
-    """Validate an untrusted ``dtensors`` table against the manifest's checked ``tensors``
-    (shard file -> name -> TensorRecord); raises :class:`CorruptCheckpointError` naming the
-    tensor.
+    """Validate an untrusted ``dtensors`` table against the manifest's ``tensors`` (shard
+    file -> name -> TensorRecord); raises :class:`CorruptCheckpointError` naming the tensor.
 
     Every chunk's bytes must be the tensor of its name in its shard, of the table's dtype and
     of the chunk's sizes, with one block crc per ``block`` bytes; and the chunks of each
-    tensor must tile it exactly (:func:`chunks.check_chunks`).
+    tensor must tile it exactly (:func:`chunks.check_chunks`). With ``lazy``, only each
+    tensor's head is checked now and its chunks when they are used (see DTensorRecord).
     """
     if type(block) is not int or not 1 <= block <= 1 << 30:
         raise CorruptCheckpointError(f"{path}: bad block_bytes {_short(block)}", path=path)
     if not isinstance(raw, dict):
         raise CorruptCheckpointError(f"{path}: dtensors is not an object", path=path)
-    return {name: _parse_one(name, entry, tensors, block, path) for name, entry in raw.items()}
+    records = {name: _parse_one(name, entry, tensors, block, path) for name, entry in raw.items()}
+    if not lazy:
+        for rec in records.values():
+            rec.chunks  # noqa: B018 - checks them all
+    return records
 
 
 def _parse_one(
-    name: str, entry: Any, tensors: dict[str, dict[str, Any]], block: int, path: str
+    name: str, entry: Any, tensors: Mapping[str, Mapping[str, Any]], block: int, path: str
 ) -> DTensorRecord:
     where = f"{path}: distributed tensor {_short(name)}"
 
@@ -265,19 +389,17 @@ def _parse_one(
     chunks_raw = entry.get("chunks")
     if not isinstance(chunks_raw, list):
         raise bad("chunks is not a list")
-    chunks = []
-    shards_seen: set[str] = set()
-    for i, c in enumerate(chunks_raw):
-        rec = _parse_chunk(c, i, name, dtype, tuple(shape), tensors, block, bad)
-        if rec.shard in shards_seen:
-            raise bad(f"two chunks in {rec.shard}")
-        shards_seen.add(rec.shard)
-        chunks.append(rec)
-    try:
-        check_chunks(tuple(shape), [c.chunk for c in chunks], where=where, bounds_checked=True)
-    except CorruptCheckpointError as e:
-        raise CorruptCheckpointError(str(e), path=path, key=name) from None
-    return DTensorRecord(name, dtype, tuple(shape), tuple(placements), tuple(mesh), tuple(chunks))
+    return DTensorRecord(
+        name,
+        dtype,
+        tuple(shape),
+        tuple(placements),
+        tuple(mesh),
+        chunks_raw,
+        tensors,
+        block,
+        path,
+    )
 
 
 def _parse_chunk(
@@ -286,7 +408,7 @@ def _parse_chunk(
     name: str,
     dtype: str,
     shape: tuple[int, ...],
-    tensors: dict[str, dict[str, Any]],
+    tensors: Mapping[str, Mapping[str, Any]],
     block: int,
     bad: Any,
 ) -> ChunkRecord:

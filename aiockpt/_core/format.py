@@ -11,7 +11,7 @@ import json
 import math
 import re
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, ItemsView, Iterator, Mapping, ValuesView
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -227,16 +227,80 @@ class TensorRecord:
     crc32c: int
 
 
+class ShardTensors(Mapping[str, TensorRecord]):
+    """One shard's tensors (name -> record), each checked when it is first looked up.
+
+    A load uses a few of them: at 1024 ranks × 200 distributed tensors a manifest lists 200k,
+    and checking them all cost a loading rank more than its load planned. ``items()`` and
+    ``values()`` check every entry, and that no two overlap in the file; a lookup checks one,
+    and whoever reads several records into one buffer checks that they do not overlap (see
+    the reader's ``contiguous``). Keys and ``in`` need no check (JSON keys are strings).
+    """
+
+    __slots__ = ("_all", "_done", "_file", "_limit", "_path", "_raw")
+
+    def __init__(self, file: str, raw: dict[str, Any], limit: int, path: str) -> None:
+        self._file, self._raw, self._limit, self._path = file, raw, limit, path
+        self._done: dict[str, TensorRecord] = {}
+        self._all: dict[str, TensorRecord] | None = None
+
+    def __getitem__(self, name: str) -> TensorRecord:
+        rec = self._done.get(name)
+        if rec is None:
+            entry = self._raw[name]  # KeyError for a name the shard does not hold
+            rec = self._done[name] = _tensor_record(
+                self._file, name, entry, self._limit, self._path
+            )
+        return rec
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._raw)
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._raw
+
+    def checked(self) -> dict[str, TensorRecord]:
+        """Every record, checked, and none overlapping another."""
+        if self._all is None:
+            records = {name: self[name] for name in self._raw}
+            _check_disjoint([(r.start, r.end, n) for n, r in records.items()], self._path)
+            self._all = records
+        return self._all
+
+    def items(self) -> ItemsView[str, TensorRecord]:
+        return self.checked().items()
+
+    def values(self) -> ValuesView[TensorRecord]:
+        return self.checked().values()
+
+
+def _tensor_record(file: str, name: str, entry: Any, limit: int, path: str) -> TensorRecord:
+    dtype, shape, start, end = _tensor_spec(name, entry, limit, path, offsets_key="byte_range")
+    crc = entry.get("crc32c")
+    if type(crc) is not int or not 0 <= crc < 2**32:
+        raise CorruptCheckpointError(
+            f"{path}: tensor {_short(name)}: bad crc32c", path=path, key=name
+        )
+    return TensorRecord(file, dtype, shape, start, end, crc)
+
+
 @dataclass(frozen=True, slots=True)
 class Manifest:
     """A validated manifest. ``tensors`` maps shard file -> tensor name -> record;
-    ``trees`` maps rank -> that rank's state tree."""
+    ``trees`` maps rank -> that rank's state tree.
+
+    A manifest parsed ``lazily`` checks each shard's tensor records and each distributed
+    tensor's chunks when they are used (see :class:`ShardTensors` and
+    :class:`~aiockpt._core.dtable.DTensorRecord`); otherwise all of it was checked."""
 
     step: int
     created_at: float
     world_size: int
     shards: list[ShardRecord]
-    tensors: dict[str, dict[str, TensorRecord]]
+    tensors: dict[str, ShardTensors]
     trees: dict[int, Any]
     metrics: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -357,8 +421,15 @@ def parse_manifest_record(
 
 
 @no_gc
-def parse_manifest(data: bytes, *, path: str, step: int | None = None) -> Manifest:
-    """Validate an untrusted manifest. Raises :class:`CorruptCheckpointError` naming ``path``."""
+def parse_manifest(
+    data: bytes, *, path: str, step: int | None = None, lazy: bool = False
+) -> Manifest:
+    """Validate an untrusted manifest. Raises :class:`CorruptCheckpointError` naming ``path``.
+
+    ``lazy``: check the head, shards and trees now, and each tensor record and distributed
+    tensor chunk when it is first used (a load, which uses a part); every value a caller gets
+    is checked either way.
+    """
     raw, bad = _decode_manifest(data, path)
     m_step, created, metrics = _manifest_head(raw, bad, step)
     world = raw.get("world_size")
@@ -387,22 +458,13 @@ def parse_manifest(data: bytes, *, path: str, step: int | None = None) -> Manife
     tensors_raw = raw.get("tensors")
     if not isinstance(tensors_raw, dict) or set(tensors_raw) != set(sizes):
         raise bad("tensors must map each shard file to its tensors")
-    tensors: dict[str, dict[str, TensorRecord]] = {}
+    tensors: dict[str, ShardTensors] = {}
     for shard, entries in tensors_raw.items():
         if not isinstance(entries, dict):
             raise bad(f"tensors of {shard} is not an object")
-        records = tensors[shard] = {}
-        for name, entry in entries.items():
-            dtype, shape, start, end = _tensor_spec(
-                name, entry, sizes[shard], path, offsets_key="byte_range"
-            )
-            crc = entry.get("crc32c")
-            if type(crc) is not int or not 0 <= crc < 2**32:
-                raise CorruptCheckpointError(
-                    f"{path}: tensor {_short(name)}: bad crc32c", path=path, key=name
-                )
-            records[name] = TensorRecord(shard, dtype, shape, start, end, crc)
-        _check_disjoint([(r.start, r.end, n) for n, r in records.items()], path)
+        tensors[shard] = ShardTensors(shard, entries, sizes[shard], path)
+        if not lazy:
+            tensors[shard].checked()
     trees_raw = raw.get("trees")
     if not isinstance(trees_raw, dict) or set(trees_raw) != {str(s.rank) for s in shards}:
         raise bad("trees must map each rank to its state tree")
@@ -414,7 +476,7 @@ def parse_manifest(data: bytes, *, path: str, step: int | None = None) -> Manife
         if version < DTENSOR_VERSION:
             raise bad("a version 1 manifest has no dtensors")
         block = raw.get("block_bytes")  # checked by parse_dtensors
-        dtensors = parse_dtensors(raw["dtensors"], tensors, block, path=path)
+        dtensors = parse_dtensors(raw["dtensors"], tensors, block, path=path, lazy=lazy)
     metadata = raw.get("metadata", {})
     if not isinstance(metadata, dict):
         raise bad("metrics and metadata must be objects")

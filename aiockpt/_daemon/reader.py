@@ -7,6 +7,7 @@ The trainer gets a :class:`LoadReply` saying where each verified tensor lies.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -70,11 +71,20 @@ def check_crcs(seg: Segment, items: Tensors, lo: int, where: str) -> None:
                 )
 
 
-def contiguous(records: dict[str, fmt.TensorRecord]) -> list[tuple[int, int, Tensors]]:
+def contiguous(
+    records: Mapping[str, fmt.TensorRecord], where: str
+) -> list[tuple[int, int, Tensors]]:
     """The records as runs of back-to-back byte ranges: (start, end, the records in it), in
-    file order. All of a shard's plain tensors are one run; a selection may be several."""
+    file order. All of a shard's plain tensors are one run; a selection may be several.
+    Records that overlap (their loaded views would alias) are a CorruptCheckpointError."""
     runs: list[tuple[int, int, Tensors]] = []
     for name, r in sorted(records.items(), key=lambda item: (item[1].start, item[1].end)):
+        if runs and r.start < runs[-1][1]:
+            raise CorruptCheckpointError(
+                f"{where}: tensors {runs[-1][2][-1][0]!r} and {name!r} overlap",
+                path=where,
+                key=name,
+            )
         if runs and r.start == runs[-1][1]:
             lo, _, items = runs[-1]
             items.append((name, r))
@@ -99,10 +109,10 @@ def _selected(tree: Any, select: tuple[str, ...], required: bool, left_out: list
 def _wanted(
     m: fmt.Manifest,
     tree: Any,
-    records: dict[str, fmt.TensorRecord],
+    records: Mapping[str, fmt.TensorRecord],
     wanted: dict[str, Wanted] | None,
     selected: bool,
-) -> tuple[dict[str, fmt.TensorRecord], list[tuple[str, str, Chunk]]]:
+) -> tuple[Mapping[str, fmt.TensorRecord], list[tuple[str, str, Chunk]]]:
     """What a load of ``tree`` reads: the shard's records it refers to, and (name, dtype, box)
     of each distributed tensor, the box ``wanted`` gives it or the whole."""
     boxes: list[tuple[str, str, Chunk]] = []
@@ -169,19 +179,20 @@ class Reader:
         ``select`` (key paths), only the values at or under those paths are read and
         returned."""
         step = self._committed(step)
-        m = self.catalog.read_manifest(step)
+        # Lazily: a rank checks the records it reads, not every rank's (200k at 1024 ranks).
+        m = self.catalog.read_manifest(step, lazy=True)
         if m.world_size != world_size:
             rank = 0  # every rank reads rank 0's part, if it is the same on every rank
             check_replicated(m, world_size)
-        path, records = self._shard_of(m, step, rank)
+        path, shard = self._shard_of(m, step, rank)
         where = self.catalog.where(path)
         tree = m.trees[rank]
-        fmt.check_tree(tree, set(records), path=where, dtensor_names=set(m.dtensors))
+        fmt.check_tree(tree, set(shard), path=where, dtensor_names=set(m.dtensors))
         left_out: list[str] = []
         if select is not None:
             tree = _selected(tree, select, select_required, left_out)
-        records, boxes = _wanted(m, tree, records, wanted, select is not None)
-        ranges = contiguous(records)
+        records, boxes = _wanted(m, tree, shard, wanted, select is not None)
+        ranges = contiguous(records, where)
         bases, pos = [], 0
         for lo, hi, _ in ranges:
             pos = (pos + OUT_ALIGN - 1) // OUT_ALIGN * OUT_ALIGN
@@ -272,9 +283,7 @@ class Reader:
             )
         return step
 
-    def _shard_of(
-        self, m: fmt.Manifest, step: int, rank: int
-    ) -> tuple[str, dict[str, fmt.TensorRecord]]:
+    def _shard_of(self, m: fmt.Manifest, step: int, rank: int) -> tuple[str, fmt.ShardTensors]:
         """The path of ``rank``'s shard of ``step`` and its tensors, once the shard is there at
         the size the manifest says (a claimed size is never trusted before it is checked)."""
         shard = m.shard_of(rank)

@@ -78,10 +78,8 @@ class Assembler:
         """Assemble ``box`` of ``rec`` into ``out`` (its row-major bytes)."""
         itemsize = DTYPE_SIZES[rec.dtype]
         self.used_bytes += box.numel * itemsize
-        for saved in rec.meeting(box):
-            runs = read_plan(saved.chunk, box, itemsize)
-            if runs:
-                self._copy(rec.name, saved, runs, out)
+        for saved in rec.covering(box):
+            self._copy(rec.name, saved, read_plan(saved.chunk, box, itemsize), out)
 
     def _copy(self, name: str, saved: dtable.ChunkRecord, runs: list[Run], out: memoryview) -> None:
         lo, hi = byte_span(runs)

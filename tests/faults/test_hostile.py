@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 
 from aiockpt import AsyncCheckpointManager
 from aiockpt._core import format as fmt
+from aiockpt._core.chunks import Chunk
 from aiockpt._core.protocol import Hello, LoadReq
 from aiockpt._daemon.server import Daemon, PipeEnd
 from aiockpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedValueError
@@ -262,17 +263,31 @@ def mutate_bytes(data: st.DataObject, text: bytes) -> bytes:
     return text[:i] + snippet + text[i:]
 
 
-def parse_all(text: bytes) -> None:
-    """parse_manifest and check_tree; any outcome but success or CorruptCheckpointError fails."""
-    try:
-        m = fmt.parse_manifest(text, path="root/step_000000000001/manifest.json", step=1)
-    except CorruptCheckpointError:
-        return
-    check_manifest_invariants(m)
-    for rank, tree in m.trees.items():
-        names = set(m.tensors[m.shard_of(rank).file])
-        with contextlib.suppress(CorruptCheckpointError):
-            fmt.check_tree(tree, names, path="root/step_000000000001/shard")
+def parse_all(text: bytes, step: int = 1) -> None:
+    """parse_manifest and check_tree; any outcome but success or CorruptCheckpointError fails.
+
+    Parsed lazily too, with every record then used as loads and verify use them: the two
+    parses refuse exactly the same manifests."""
+    refused = []
+    for lazy in (False, True):
+        try:
+            m = fmt.parse_manifest(text, path="root/manifest.json", step=step, lazy=lazy)
+            for records in m.tensors.values():
+                records.checked()
+            for d in m.dtensors.values():
+                if d.shape:  # the first rows alone, then the whole
+                    d.covering(Chunk((0,) * len(d.shape), (d.shape[0] // 2, *d.shape[1:])))
+                d.covering(Chunk((0,) * len(d.shape), d.shape))
+                d.chunks  # noqa: B018
+        except CorruptCheckpointError:
+            refused.append(lazy)
+            continue
+        check_manifest_invariants(m)
+        for rank, tree in m.trees.items():
+            names = set(m.tensors[m.shard_of(rank).file])
+            with contextlib.suppress(CorruptCheckpointError):
+                fmt.check_tree(tree, names, path="root/step_000000000001/shard")
+    assert refused in ([], [False, True]), f"refused only when lazy is {refused}"
 
 
 # --------------------------------------------------------------------------- property tests
@@ -286,6 +301,24 @@ def test_mutated_manifest_members_raise_only_corrupt(pristine, data):
     for _ in range(data.draw(st.integers(1, 3))):
         raw = mutate(data, raw)
     parse_all(json.dumps(raw).encode())
+
+
+#: A real version-2 manifest, of distributed tensors saved on two ranks.
+V2_MANIFEST = os.path.join(
+    os.path.dirname(__file__), "..", "fixtures", "format_v2", "step_000000000005", fmt.MANIFEST
+)
+
+
+@FUZZ
+@given(data=st.data())
+def test_mutated_version_2_manifests_raise_only_corrupt(data):
+    """The same of a manifest with distributed tensors: their chunk tables, checked lazily as a
+    load uses them or in full, refuse the same mutations."""
+    with open(V2_MANIFEST) as f:
+        raw = json.load(f)
+    for _ in range(data.draw(st.integers(1, 3))):
+        raw = mutate(data, raw)
+    parse_all(json.dumps(raw).encode(), step=5)
 
 
 @FUZZ
@@ -449,6 +482,26 @@ async def test_hostile_manifests_through_the_manager(pristine, tmp_path, case):
             await mgr.load(1)
         await (await mgr.save(2, {"w": torch.ones(2)}))
         assert torch.equal((await mgr.load(2))["w"], torch.ones(2))
+
+
+@pytest.mark.anyio
+async def test_a_partial_load_checks_the_records_it_reads(pristine, tmp_path):
+    """A load checks the records it reads: overlapping tensors it selects are refused, and a
+    bad record it does not read stays for ``verify`` to report (see format.ShardTensors)."""
+    root = copy_checkpoint(pristine[0], str(tmp_path / "run"))
+    edit_manifest(root, _overlap)  # "mask" starts inside "model/w"
+    async with AsyncCheckpointManager(root) as mgr:
+        with anyio.fail_after(20), pytest.raises(CorruptCheckpointError, match="overlap"):
+            await mgr.load(1, keys=["model/w", "mask"])
+        with anyio.fail_after(20), pytest.raises(CorruptCheckpointError, match="overlap"):
+            await mgr.load(1)
+        assert (await mgr.load(1, keys=["model/b"]))["model"]["b"].shape == (3,)
+    edit_manifest(root, lambda m: m["tensors"][SHARD]["mask"].update(dtype="object"))
+    async with AsyncCheckpointManager(root) as mgr:
+        got = await mgr.load(1, keys=["model"])
+        assert set(got["model"]) == {"w", "b"}
+        with anyio.fail_after(20), pytest.raises(CorruptCheckpointError, match="unknown dtype"):
+            await mgr.load(1, keys=["mask"])
 
 
 def test_tree_depth_limit_is_exact():
