@@ -1,10 +1,10 @@
 """A Lightning checkpoint dict to and from a state aiockpt stores without pickle, losslessly.
 
 aiockpt keeps tensors, plain JSON values, dicts with str or int keys, lists, tuples, numpy
-arrays and scalars and ``torch.Generator``s as they are. A Lightning checkpoint also holds
+arrays and scalars as they are. A Lightning checkpoint also holds
 values that aiockpt would change or refuse: ``OrderedDict`` state dicts (with their
 ``_metadata``), ``AttributeDict`` hyper-parameters, dicts keyed by other hashable values,
-paths, dtypes. Each of those becomes a *marked* dict, ``{MARK: kind, ...}``, which
+paths, dtypes, generators. Each of those becomes a *marked* dict, ``{MARK: kind, ...}``, which
 :func:`decode` turns back into the value it was. What cannot come back as it was (a
 ``defaultdict``, an arbitrary object, a module that would come back as its state dict) is
 refused, every key path at fault named in one :class:`~aiockpt.UnsupportedValueError`.
@@ -91,7 +91,8 @@ class _Encoder:
         if np is not None and (kind is np.ndarray or isinstance(v, np.generic)):
             return v  # aiockpt keeps numpy arrays and scalars with their dtype
         if kind is torch.Generator:
-            return v
+            # Its state is a fresh CPU byte tensor, whatever the generator's device.
+            return {MARK: "generator", "device": str(v.device), "state": v.get_state()}
         if id(v) in self.active:
             self.refuse(path, "the checkpoint contains a reference cycle")
             return None
@@ -255,6 +256,11 @@ def _unmark(node: dict[str, Any]) -> Any:
         if kind in ("bytes", "bytearray"):
             data = node["value"].numpy().tobytes()
             return data if kind == "bytes" else bytearray(data)
+        if kind == "generator":
+            gen = torch.Generator(device=node["device"])
+            # A copy of its own: set_state reads a tensor's storage from its start, and a
+            # loaded tensor may be a view into a larger buffer.
+            return gen.set_state(node["state"].clone())
         if kind == "dtype":
             dtype = getattr(torch, node["value"], None)
             if isinstance(dtype, torch.dtype):

@@ -76,6 +76,9 @@ class AiockptCheckpointIO(CheckpointIO):
             )
         target = os.path.abspath(_pointer.local_path(path))
         state = encode(checkpoint)
+        # The pointer comes once the save commits; its directory is there at once, as with
+        # Lightning's own IO (ModelCheckpoint may link last.ckpt into it right away).
+        os.makedirs(os.path.dirname(target), exist_ok=True)
         global_step = _count(checkpoint, "global_step")
         epoch = _count(checkpoint, "epoch")
         session = self._open()

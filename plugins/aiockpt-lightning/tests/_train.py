@@ -18,9 +18,8 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-
 from aiockpt_lightning import AiockptCheckpointIO
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 BATCHES = 8  # per epoch
 BATCH_SIZE = 8
@@ -77,6 +76,7 @@ def trainer(io: AiockptCheckpointIO, max_steps: int, callbacks: Sequence[Callbac
         enable_progress_bar=False,
         enable_model_summary=False,
         deterministic=True,
+        default_root_dir=io.root,  # nothing goes to the working directory
     )
 
 
