@@ -73,6 +73,7 @@ class _Encoder:
         self.active: set[int] = set()
 
     def refuse(self, path: str, why: str) -> None:
+        """Record that the value at ``path`` is refused, and why."""
         self.problems.append((path, why))
 
     def value(self, v: Any, path: str) -> Any:

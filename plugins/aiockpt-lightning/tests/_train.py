@@ -52,6 +52,7 @@ class Tiny(L.LightningModule):
         self.losses: dict[int, float] = {}
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """The batch's mean squared error, recorded by global step."""
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         self.losses[self.global_step] = loss.item()
@@ -59,6 +60,7 @@ class Tiny(L.LightningModule):
         return loss
 
     def configure_optimizers(self) -> Any:
+        """Adam, its learning rate halved every five steps."""
         opt = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -45,6 +45,7 @@ class Recording(AiockptCheckpointIO):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
     ) -> None:
+        """Keep a copy, then save."""
         self.saved[os.path.abspath(path)] = copy.deepcopy(checkpoint)
         super().save_checkpoint(checkpoint, path, storage_options)
 
@@ -55,6 +56,7 @@ def plugin() -> Iterator[Callable[..., AiockptCheckpointIO]]:
     made: list[AiockptCheckpointIO] = []
 
     def make(root: Path, cls: type[AiockptCheckpointIO] = AiockptCheckpointIO) -> Any:
+        """A plugin of class ``cls`` on ``root``."""
         made.append(cls(root))
         return made[-1]
 
