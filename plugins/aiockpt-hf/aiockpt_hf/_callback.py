@@ -15,7 +15,7 @@ from transformers import (
     TrainerState,
     TrainingArguments,
 )
-from transformers.trainer_utils import SaveStrategy, has_length
+from transformers.trainer_utils import has_length
 
 from aiockpt import CheckpointManager, SyncSaveHandle
 
@@ -207,7 +207,7 @@ class AiockptCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """Check the arguments; on a resume, restore the optimizer and LR scheduler."""
-        if args.save_strategy == SaveStrategy.BEST:
+        if args.save_strategy == "best":  # a str enum; SaveStrategy.BEST since 4.46
             raise ValueError(
                 'AiockptCallback saves at "steps" or "epoch" save points; for the best '
                 'checkpoints, evaluate and keep them with retention=BestN(n, "eval_loss")'

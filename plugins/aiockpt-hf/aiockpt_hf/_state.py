@@ -16,12 +16,13 @@ from typing import Any
 import numpy as np
 import safetensors.torch
 import torch
-from transformers import TrainerControl, TrainerState
-from transformers.trainer_callback import ExportableState
+from transformers import TrainerControl, TrainerState, trainer_callback
 
 #: The file names the Trainer looks for in a checkpoint folder (``transformers.trainer``).
 TRAINER_STATE_FILE = "trainer_state.json"
 WEIGHTS_FILE = "model.safetensors"
+#: The base of callbacks whose state the Trainer saves (transformers 4.41 and later).
+_EXPORTABLE: Any = getattr(trainer_callback, "ExportableState", None)
 
 
 def capture_rng() -> dict[str, Any]:
@@ -54,25 +55,26 @@ def restore_rng(states: Mapping[str, Any]) -> None:
 
 
 def callback_states(
-    control: TrainerControl, callbacks: Iterable[object]
+    control: TrainerControl, callbacks: Iterable[Any]
 ) -> dict[str, dict[str, Any] | list[dict[str, Any]]]:
     """``TrainerState.stateful_callbacks`` as the Trainer writes it when it saves: each
-    :class:`ExportableState` callback's current ``state()`` under its class name, a list when
+    ``ExportableState`` callback's current ``state()`` under its class name, a list when
     several share one."""
     grouped: dict[str, list[dict[str, Any]]] = {}
     for cb in [*callbacks, control]:
-        if isinstance(cb, ExportableState):
+        if _EXPORTABLE is not None and isinstance(cb, _EXPORTABLE):
             grouped.setdefault(type(cb).__name__, []).append(cb.state())
     return {name: found[0] if len(found) == 1 else found for name, found in grouped.items()}
 
 
 def trainer_state_values(
-    state: TrainerState, control: TrainerControl, callbacks: Iterable[object] = ()
+    state: TrainerState, control: TrainerControl, callbacks: Iterable[Any] = ()
 ) -> dict[str, Any]:
     """``state`` as plain JSON values (numbers, strings, lists, dicts with str keys): what the
     Trainer writes to ``trainer_state.json``, the callbacks' states taken now."""
     values = dataclasses.asdict(state)
-    values["stateful_callbacks"] = callback_states(control, callbacks)
+    if "stateful_callbacks" in values:
+        values["stateful_callbacks"] = callback_states(control, callbacks)
     plain: dict[str, Any] = json.loads(json.dumps(values))
     return plain
 
