@@ -565,7 +565,9 @@ def unflatten(
         return tensors[body].numpy()
     if tag == GENERATOR:
         gen = torch.Generator(device=body[0])
-        gen.set_state(tensors[body[1]].contiguous())
+        # A copy of its own: set_state reads the storage from its start, ignoring the offset
+        # of a view into the loaded buffer.
+        gen.set_state(tensors[body[1]].clone())
         return gen
     if tag == NPSCALAR:
         import numpy as np
@@ -761,7 +763,7 @@ class _Restorer:
             return self.tensor(target, tag, body, path)
         if isinstance(target, torch.Generator) and tag == GENERATOR:
             state = self.fresh[body[1]]
-            self.calls.append(lambda: target.set_state(state.contiguous()))
+            self.calls.append(lambda: target.set_state(state.clone()))  # see unflatten
             return target
         if tag == NDARRAY and type(target).__name__ == "ndarray":
             return self.ndarray(target, body, path)
