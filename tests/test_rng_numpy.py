@@ -94,6 +94,19 @@ async def test_a_generator_stored_after_other_tensors_restores(root):
     assert torch.equal(torch.rand(3, generator=target["rng"]), expect)
 
 
+async def test_a_loaded_rng_state_tensor_can_be_set_directly(root):
+    # torch.set_rng_state reads its tensor's storage from the start: a loaded RNG state must
+    # not be a view at an offset of the buffer the daemon read (it was: Invalid mt19937 state).
+    torch.manual_seed(11)
+    saved = torch.get_rng_state()
+    expect = torch.rand(3)
+    async with AsyncCheckpointManager(root) as mgr:
+        await (await mgr.save(1, {"a": torch.arange(10.0), "rng": saved}))
+        out = await mgr.load(1)
+    torch.set_rng_state(out["rng"])
+    assert torch.equal(torch.rand(3), expect)
+
+
 async def test_numpy_arrays_restore_in_place_and_refuse_misfits(root):
     saved = {"a": np.arange(4.0), "b": np.ones(3, dtype=np.int32)}
     async with AsyncCheckpointManager(root) as mgr:

@@ -301,6 +301,15 @@ def views(u8: torch.Tensor, specs: dict[str, TensorAt]) -> dict[str, torch.Tenso
             j += 1
         parts = u8[start:end].view(ST_TO_TORCH[dtype_name]).split_with_sizes(sizes)
         for (name, (_, shp, _)), part in zip(by_offset[i:j], parts, strict=True):
+            if dtype_name == "U8" and len(shp) == 1 and part.numel() <= _RNG_STATE_BYTES:
+                # An RNG state, likely: torch.set_rng_state and Generator.set_state read the
+                # tensor's storage from its start, whatever its offset, so it gets its own.
+                part = part.clone()
             tensors[name] = part if len(shp) == 1 else part.view(shp)
         i = j
     return tensors
+
+
+#: 1-D byte tensors up to this size come back owning their memory (see views): every torch
+#: RNG state is one (the CPU generator's is 5056 bytes), and copying them costs nothing.
+_RNG_STATE_BYTES = 64 * 1024
