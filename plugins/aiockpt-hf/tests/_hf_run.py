@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 import safetensors.torch
 import torch
-from aiockpt_hf import AiockptCallback
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -43,6 +42,7 @@ from transformers import (
 )
 
 from aiockpt import CheckpointManager
+from aiockpt_hf import AiockptCallback
 
 STEPS_PER_EPOCH = 12
 EPOCHS = 3

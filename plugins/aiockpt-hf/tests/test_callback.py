@@ -17,11 +17,11 @@ from typing import Any
 import _hf_run
 import pytest
 import torch
-from aiockpt_hf import AiockptCallback
 from safetensors.torch import load_file
 from transformers import Trainer, TrainingArguments
 
 from aiockpt import CheckpointManager
+from aiockpt_hf import AiockptCallback
 
 pytestmark = pytest.mark.slow
 

@@ -18,8 +18,9 @@ from typing import Any
 
 import lightning as L
 import torch
-from aiockpt_lightning import AiockptCheckpointIO
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from aiockpt_lightning import AiockptCheckpointIO
 
 BATCHES = 8  # per epoch
 BATCH_SIZE = 8

@@ -18,11 +18,11 @@ import _train
 import numpy as np
 import pytest
 import torch
-from aiockpt_lightning import SAVES_PER_GLOBAL_STEP, AiockptCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.parsing import AttributeDict
 
 from aiockpt import UnsupportedValueError
+from aiockpt_lightning import SAVES_PER_GLOBAL_STEP, AiockptCheckpointIO
 
 pytestmark = [
     # Lightning 2.6's CombinedLoader (made by every fit) calls torch's deprecated LeafSpec;
