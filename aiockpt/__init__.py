@@ -29,6 +29,8 @@ _EXPORTS = {
     "CheckpointNotFoundError": ".errors",
     "CorruptCheckpointError": ".errors",
     "DaemonDiedError": ".errors",
+    "LeaseLostError": ".errors",
+    "RootLockedError": ".errors",
     "StorageError": ".errors",
     "UnsupportedValueError": ".errors",
 }
@@ -48,6 +50,8 @@ __all__ = [
     "EveryNSteps",
     "JsonLinesHandler",
     "LatestN",
+    "LeaseLostError",
+    "RootLockedError",
     "SaveHandle",
     "ScopeTracker",
     "StorageError",
@@ -65,6 +69,8 @@ if TYPE_CHECKING:
         CheckpointNotFoundError,
         CorruptCheckpointError,
         DaemonDiedError,
+        LeaseLostError,
+        RootLockedError,
         StorageError,
         UnsupportedValueError,
     )

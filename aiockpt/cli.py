@@ -27,6 +27,7 @@ from typing import Any, NoReturn, TextIO
 from . import __version__, _export
 from ._core import format as fmt
 from ._core.catalog import Catalog
+from ._core.lease import read_current
 from ._core.tree import plain_values
 from .errors import CheckpointError
 from .retention import (
@@ -582,11 +583,25 @@ def require_metrics(best: Sequence[BestN], records: Sequence[CheckpointRecord]) 
             )
 
 
+def refuse_if_leased(root: Root) -> None:
+    """A usage error while a writer holds the root's lease: its manager may be saving and
+    applying its own retention, and deleting under it is how checkpoints get lost."""
+    lease = read_current(root.catalog.storage)
+    holder = lease.holder(time.time())
+    if holder is not None:
+        raise UsageError(
+            f"{root.url} is leased by a running writer ({holder.describe()}); deleting "
+            "while it saves can remove what it is writing. Stop it first, or pass --force"
+        )
+
+
 def cmd_prune(args: argparse.Namespace) -> int:
     """``aiockpt prune``: what the policy would delete, and partial saves; deleted with --yes
     (a checkpoint's manifest first, so a deletion cut short never leaves a broken step)."""
     policy = keep_policy(args)
     root = scan(open_root(args.root, args.storage_options), args.root)
+    if args.yes and not args.force:
+        refuse_if_leased(root)
     if not root.committed and not (args.all_partials and root.partials):
         require_checkpoints(root)
     records = []
@@ -766,14 +781,21 @@ def build_parser() -> tuple[Parser, dict[str, Parser]]:
         )
     )
 
-    p = sub.add_parser(
-        "prune",
-        parents=[common],
-        help="delete checkpoints a policy does not keep, and partial saves",
-        description="Show what a retention policy would delete (kept: any checkpoint one of the "
-        "--keep options keeps, and always the newest); delete it with --yes. Without --keep "
-        "options every checkpoint is kept and only partial step directories go.",
+    add_prune(
+        sub.add_parser(
+            "prune",
+            parents=[common],
+            help="delete checkpoints a policy does not keep, and partial saves",
+            description="Show what a retention policy would delete (kept: any checkpoint one of "
+            "the --keep options keeps, and always the newest); delete it with --yes. Without "
+            "--keep options every checkpoint is kept and only partial step directories go.",
+        )
     )
+    return parser, dict(sub.choices)
+
+
+def add_prune(p: Parser) -> None:
+    """The arguments of ``prune``."""
     p.add_argument("--keep-last", metavar="N", type=positive_int, help="keep the N newest")
     p.add_argument("--keep-every", metavar="K", type=positive_int, help="keep steps divisible by K")
     p.add_argument(
@@ -797,8 +819,12 @@ def build_parser() -> tuple[Parser, dict[str, Parser]]:
         "(only when no save is running)",
     )
     p.add_argument("--yes", action="store_true", help="delete; without it, only show")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="delete even while a writer holds the root's lease (it may be saving into it)",
+    )
     p.set_defaults(func=cmd_prune)
-    return parser, dict(sub.choices)
 
 
 def add_show(p: Parser) -> None:

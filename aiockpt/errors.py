@@ -15,6 +15,9 @@ Every error derives from :class:`CheckpointError` and from the built-in it resem
     │   ├── DaemonDiedError                   the daemon exited; carries its exit code
     │   └── DaemonStartError                  the daemon did not report READY in time
     ├── DistributedSaveError (RuntimeError)   another rank's part of a save failed; names the rank
+    ├── ReadOnlyError (PermissionError)       save() on a manager opened read_only=True
+    ├── RootLockedError (RuntimeError)        another writer holds the root's lease; names it
+    ├── LeaseLostError (RuntimeError)         this writer's lease was taken over or ran out
     └── ManagerClosedError (RuntimeError)     the manager was used before open or after close
 """
 
@@ -30,8 +33,11 @@ __all__ = [
     "DaemonStartError",
     "DistributedSaveError",
     "InvalidStepError",
+    "LeaseLostError",
     "LoadMismatchError",
     "ManagerClosedError",
+    "ReadOnlyError",
+    "RootLockedError",
     "StepExistsError",
     "StorageError",
     "UnsupportedValueError",
@@ -142,6 +148,24 @@ class DistributedSaveError(CheckpointError, RuntimeError):
 class StateChangedError(CheckpointError, RuntimeError):
     """The state changed (a tensor's dtype, shape or device) while save() was copying it, as
     when another thread modifies it; nothing was written."""
+
+
+class ReadOnlyError(CheckpointError, PermissionError):
+    """``save()`` on a manager opened with ``read_only=True``."""
+
+
+class RootLockedError(CheckpointError, RuntimeError):
+    """Another writer holds the root's lease (``open()`` without ``takeover=True``).
+
+    ``holder`` describes it (host, pid, since, expires, generation as a dict) when its lease
+    file could be read; None when the file there is not a lease."""
+
+    holder: dict[str, object] | None = None
+
+
+class LeaseLostError(CheckpointError, RuntimeError):
+    """This writer's lease on its root was taken over by another writer, or ran out before it
+    could be renewed: it commits and deletes nothing more."""
 
 
 class ManagerClosedError(CheckpointError, RuntimeError):

@@ -62,13 +62,26 @@ EVENT_NAMES = frozenset(
         "daemon.exit",
         "daemon.restart",
         "shm.swept",
+        "lease.acquired",
+        "lease.takeover",
+        "lease.unguarded",
     }
 )
 
 #: Events worth a line at INFO: ends of operations and the daemon's life and deletions.
 _INFO_EVENTS = frozenset(
-    {"save.end", "load.end", "retention.delete", "daemon.spawn", "daemon.exit", "shm.swept"}
+    {
+        "save.end",
+        "load.end",
+        "retention.delete",
+        "daemon.spawn",
+        "daemon.exit",
+        "shm.swept",
+        "lease.acquired",
+    }
 )
+#: Events worth a WARNING: something the user should look at, though nothing failed.
+_WARNING_EVENTS = frozenset({"daemon.restart", "lease.takeover", "lease.unguarded"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +101,10 @@ class Event:
     read_nbytes: int | None = None
     where: str = "trainer"
     error: dict[str, str] | None = None
+    #: On ``lease.*``: the generation of the root's lease this manager holds.
+    generation: int | None = None
+    #: Words for people: on ``lease.takeover``, whose lease was taken over.
+    detail: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The event as a plain dict of its fields."""
@@ -220,6 +237,8 @@ class EventDispatcher:
         error: BaseException | dict[str, str] | None = None,
         time: float | None = None,
         read_nbytes: int | None = None,
+        generation: int | None = None,
+        detail: str | None = None,
     ) -> Event:
         if name not in EVENT_NAMES:
             raise ValueError(f"unknown event name {name!r}")
@@ -248,6 +267,8 @@ class EventDispatcher:
             read_nbytes=read_nbytes,
             where=where,
             error=error,
+            generation=generation,
+            detail=detail,
         )
         self.dispatch(event)
         return event
@@ -295,8 +316,8 @@ def _log(event: Event) -> None:
     if event.name.endswith(".exception"):
         caller = event.error is not None and event.error.get("type") in _CALLER_ERROR_TYPES
         level = logging.DEBUG if caller else logging.ERROR
-    elif event.name == "daemon.restart":
-        level = logging.WARNING  # a daemon died and was replaced
+    elif event.name in _WARNING_EVENTS:
+        level = logging.WARNING
     elif event.name in _INFO_EVENTS:
         level = logging.INFO
     else:
@@ -304,12 +325,14 @@ def _log(event: Event) -> None:
     if not logger.isEnabledFor(level):
         return
     parts = [event.name]
-    for key in ("step", "uuid", "duration_s", "nbytes", "read_nbytes"):
+    for key in ("step", "uuid", "duration_s", "nbytes", "read_nbytes", "generation"):
         value = getattr(event, key)
         if value is not None:
             parts.append(f"{key}={value:.6f}" if key == "duration_s" else f"{key}={value}")
     parts.append(f"rank={event.rank}")
     msg = " ".join(parts)
+    if event.detail is not None:
+        msg = f"{msg}: {event.detail}"
     if event.error is not None:
         msg = f"{msg}: {event.error['message']}\n{event.error['traceback'].rstrip()}"
     # The event rides along on the record for logging handlers that want the data.

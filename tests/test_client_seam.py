@@ -44,6 +44,7 @@ class FakeClient:
         self.pid = 40_000 + len(daemon.clients)
         self.alive = True
         self.exit_code: int | None = None
+        self.lease = None
         self.saves: list[SaveReq] = []
         self._stopping = False
         self._exited = anyio.Event()

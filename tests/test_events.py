@@ -341,6 +341,7 @@ async def test_log_levels(root, caplog):
     debug, info = {logging.DEBUG}, {logging.INFO}
     assert levels == {
         "daemon.spawn": info,
+        "lease.acquired": info,
         "save.start": debug,
         "save.staged": debug,
         "save.written": debug,
@@ -519,7 +520,7 @@ async def test_events_carry_the_group_passed_not_the_default(root, default_gloo,
         "rank": 0,
     }
     assert expected["name"] != default["name"]
-    assert len(rec.events) == 9
+    assert len(rec.events) == 10  # lease.acquired, then 9 of the save and the load
     for e in rec.events:
         assert e.process_group == expected
         assert json.loads(e.to_json())["process_group"] == expected

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from aiockpt import AsyncCheckpointManager
 from aiockpt._core import format as fmt
+from aiockpt._core.lease import LEASE_DIR
 from aiockpt._core.protocol import Hello, LoadReq, RecordsReq, StepsReq
 from aiockpt._daemon.server import Daemon, PipeEnd
 from aiockpt.errors import CheckpointError, CheckpointNotFoundError, StorageError
@@ -293,7 +294,8 @@ def state(step: int) -> dict:
 
 
 def step_dirs(root: str) -> list[str]:
-    return sorted(os.listdir(root))
+    """What the root holds besides the lease of its writer."""
+    return sorted(n for n in os.listdir(root) if n != LEASE_DIR)
 
 
 def dirnames(*steps: int) -> list[str]:
@@ -348,12 +350,13 @@ async def test_deletion_comes_only_after_the_displacing_commit(root):
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("obstacle", ["shard_r00000.safetensors", "manifest.json.tmp"])
+@pytest.mark.parametrize("obstacle", ["shard_r00000.safetensors", "manifest.json.{pid}.new"])
 async def test_a_save_that_fails_in_the_daemon_deletes_nothing(root, obstacle):
     async with AsyncCheckpointManager(root, retention=LatestN(1)) as mgr:
         await (await mgr.save(1, state(1)))
         # A directory where the daemon must write a file: the shard write (or, after the shard
-        # is written, the commit) fails inside the daemon.
+        # is written, the commit's temporary manifest) fails inside the daemon.
+        obstacle = obstacle.format(pid=mgr.daemon_pid)
         os.makedirs(os.path.join(root, fmt.step_dirname(2), obstacle))
         handle = await mgr.save(2, state(2))
         with pytest.raises(StorageError):

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: Bumped on any change to these messages; checked by both ends in the handshake.
-PROTOCOL = 3
+PROTOCOL = 4
 
 #: How a loaded tensor lies in shared memory: (safetensors dtype, shape, byte offset).
 TensorAt = tuple[str, tuple[int, ...], int]
@@ -82,6 +82,27 @@ class StepRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class LeaseSpec:
+    """How a writing manager holds its root's lease (see _core.lease)."""
+
+    #: The manager's id: a respawned daemon of the same manager resumes the lease.
+    owner: str
+    ttl: float
+    renew_every: float
+    takeover: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseGrant:
+    """The lease a daemon took: its generation, whether the storage made the taking atomic,
+    and what it took over (an expired or, with takeover, a live lease), if anything."""
+
+    generation: int
+    guaranteed: bool
+    taken_from: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Hello:
     """Everything the daemon needs to start; sent once, answered by :class:`Ready`."""
 
@@ -94,6 +115,8 @@ class Hello:
     collect_partials: bool = True
     #: Seconds the ranks of a multi-rank save wait for each other; None on one rank.
     dist_timeout: float | None = None
+    #: The lease to hold (rank 0 of a writing manager); None: take none.
+    lease: LeaseSpec | None = None
     protocol: int = PROTOCOL
 
 
@@ -229,6 +252,7 @@ class Ready:
     pid: int
     protocol: int = PROTOCOL
     error: BaseException | None = None
+    lease: LeaseGrant | None = None
 
 
 @dataclass(frozen=True, slots=True)

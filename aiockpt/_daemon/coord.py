@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from .._core import dtable
 from .._core import format as fmt
-from ..errors import DistributedSaveError
+from ..errors import DistributedSaveError, StepExistsError
+from ..storage import Storage
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,11 +113,36 @@ def merge(
     )
 
 
+#: Raises LeaseLostError unless this writer still holds its root's lease, before the action
+#: it names (see lease.LeaseKeeper.check).
+Fence = Callable[[str], None]
+
+
+def no_fence(what: str) -> None:
+    """The fence of a daemon that holds no lease (a read-only manager, a rank other than 0)."""
+
+
+def publish_manifest(storage: Storage, path: str, manifest: bytes, step: int) -> None:
+    """Commit: create the manifest, conditionally where the storage can (so of two writers
+    committing one step, one wins and the other hears StepExistsError)."""
+    put_if_absent = getattr(storage, "put_if_absent", None)
+    if put_if_absent is None:
+        storage.put_atomic(path, manifest)
+    elif not put_if_absent(path, manifest):
+        raise StepExistsError(
+            f"step {step} was committed in {storage.url} by another writer while this save "
+            "ran; this save's shard was left in place"
+        )
+
+
 class Coordinator:
     """The daemon's side of a multi-rank commit."""
 
-    def __init__(self, storage: Any, rank: int, world_size: int, timeout: float) -> None:
+    def __init__(
+        self, storage: Any, rank: int, world_size: int, timeout: float, fence: Fence = no_fence
+    ) -> None:
         self.storage = storage
+        self.fence = fence
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
@@ -158,7 +185,8 @@ class Coordinator:
             ranks = list(range(self.world_size))
             self.abort(step, uuid, ranks, f"step {step}: {e}")
             raise DistributedSaveError(f"step {step}: {e}", ranks=ranks) from None
-        self.storage.put_atomic(f"{step_dir}/{fmt.MANIFEST}", manifest)
+        self.fence(f"commit step {step}")
+        publish_manifest(self.storage, f"{step_dir}/{fmt.MANIFEST}", manifest, step)
         for r in range(1, self.world_size):
             self.storage.delete(f"{step_dir}/{part_name(uuid, r)}")
         return created_at

@@ -10,8 +10,9 @@ from __future__ import annotations
 import threading
 
 from .._core.catalog import Catalog
-from ..errors import CheckpointError, CorruptCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError, LeaseLostError
 from ..retention import CheckpointRecord, RetentionPolicy, select_deletions
+from .coord import Fence, no_fence
 from .pipe import Outbox, remote_error
 from .shared import InFlight
 
@@ -26,8 +27,10 @@ class Pruner:
         policy: RetentionPolicy | None,
         in_flight: InFlight,
         outbox: Outbox,
+        fence: Fence = no_fence,
     ) -> None:
         self.catalog = catalog
+        self.fence = fence
         self.policy = policy
         self.in_flight = in_flight
         self.outbox = outbox
@@ -102,8 +105,11 @@ class Pruner:
 
         try:
             for old in doomed:
+                self.fence(f"delete step {old}")  # a writer fenced off stops deleting at once
                 self.catalog.delete_step(old, uncommitted=uncommitted)
                 self.outbox.event("retention.delete", uuid, old, where="daemon")
+        except LeaseLostError as e:
+            return deleted, remote_error(e)
         except Exception as e:  # whatever it is, the commit stands and the caller must hear it
             err = CheckpointError(f"step {step} was committed, but retention failed to delete: {e}")
             return deleted, remote_error(err)

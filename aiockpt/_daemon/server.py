@@ -27,6 +27,7 @@ from .._core.pipe import PipeEnd
 from .._core.protocol import (
     CollectPartialsReq,
     Hello,
+    LeaseGrant,
     LoadReply,
     LoadReq,
     ProtocolMismatch,
@@ -43,7 +44,8 @@ from .._core.protocol import (
 )
 from .._core.shm import trainer_segments, unlink
 from ..storage import Storage, open_storage
-from .coord import Coordinator
+from .coord import Coordinator, no_fence
+from .lease import LeaseKeeper
 from .pipe import Outbox, remote_error
 from .prune import Pruner
 from .reader import Reader
@@ -68,12 +70,17 @@ class Daemon:
         self.in_flight = InFlight()
         #: Checksums, next to the writer's writes and the reader's reads.
         self.pool = ThreadPoolExecutor(2, thread_name_prefix="aiockpt-crc")
+        #: The root's lease, held by the daemon of rank 0 of a writing manager.
+        self.lease = LeaseKeeper(self.storage, cfg.lease, os.getpid()) if cfg.lease else None
+        fence = self.lease.check if self.lease is not None else no_fence
         self.coord: Coordinator | None = None
         if cfg.world_size > 1:
             assert cfg.dist_timeout is not None
-            self.coord = Coordinator(self.storage, cfg.rank, cfg.world_size, cfg.dist_timeout)
+            self.coord = Coordinator(
+                self.storage, cfg.rank, cfg.world_size, cfg.dist_timeout, fence=fence
+            )
         policy = cfg.retention if cfg.rank == 0 else None  # decided once, by rank 0
-        self.pruner = Pruner(self.catalog, policy, self.in_flight, self.outbox)
+        self.pruner = Pruner(self.catalog, policy, self.in_flight, self.outbox, fence=fence)
         self.writer = Writer(
             self.catalog,
             cfg,
@@ -82,6 +89,7 @@ class Daemon:
             coord=self.coord,
             pruner=self.pruner,
             outbox=self.outbox,
+            fence=fence,
         )
         self.reader = Reader(self.catalog, self.slabs, self.pool)
         self.save_q: queue.Queue[SaveReq | None] = queue.Queue()
@@ -94,10 +102,17 @@ class Daemon:
             PublishFailureReq: self._publish_failure,
         }
 
-    def start(self) -> None:
-        """What is done before the daemon says it is ready."""
+    def start(self) -> LeaseGrant | None:
+        """What is done before the daemon says it is ready: the lease taken (RootLockedError
+        when another writer holds it), then the partial steps of earlier runs removed; the
+        lease taken, if any."""
+        grant = None
+        if self.lease is not None:
+            grant = self.lease.acquire()
+            self.lease.start()
         if self.cfg.collect_partials:
             self.catalog.collect_partials(self.in_flight.snapshot)
+        return grant
 
     # ----------------------------------------------------------------- reads
 
@@ -126,6 +141,8 @@ class Daemon:
         return tuple(StepRecord(r.step, r.time, r.metrics) for r in self.catalog.records())
 
     def _collect_partials(self, req: CollectPartialsReq) -> tuple[int, ...]:
+        if self.lease is not None:
+            self.lease.check("remove partial steps")
         return tuple(self.catalog.collect_partials(self.in_flight.snapshot))
 
     def _publish_failure(self, req: PublishFailureReq) -> None:
@@ -186,6 +203,9 @@ class Daemon:
 
     def close(self, *, trainer_gone: bool = False) -> None:
         """Release what the daemon holds, once its threads are done."""
+        if self.lease is not None:
+            with contextlib.suppress(Exception):  # not released: it expires by its TTL
+                self.lease.close(release=True)
         self.pool.shutdown()
         self.slabs.close()
         if trainer_gone:
@@ -210,10 +230,10 @@ def main(argv: list[str]) -> int:
         if not isinstance(hello, Hello):
             raise ProtocolMismatch(f"the trainer sent {type(hello).__name__} instead of Hello")
         daemon = Daemon(pipe, hello)
-        daemon.start()
+        grant = daemon.start()
     except BaseException as e:
         with contextlib.suppress(Exception):
             pipe.send(Ready(os.getpid(), error=remote_error(e)))
         return 1
-    pipe.send(Ready(os.getpid()))
+    pipe.send(Ready(os.getpid(), lease=grant))
     return daemon.serve()

@@ -20,9 +20,9 @@ from .._core.catalog import Catalog, manifest_path
 from .._core.chunks import Chunk
 from .._core.protocol import CheckpointInfo, Hello, LayoutMsg, SaveDone, SaveReq, SlabFree
 from .._core.shm import Segment
-from ..errors import DistributedSaveError, StepExistsError
+from ..errors import DistributedSaveError, LeaseLostError, StepExistsError
 from ..retention import CheckpointRecord
-from .coord import Coordinator, Part, merge
+from .coord import Coordinator, Fence, Part, merge, no_fence, publish_manifest
 from .pipe import Outbox, remote_error
 from .prune import Pruner
 from .shared import Slabs
@@ -82,8 +82,10 @@ class Writer:
         coord: Coordinator | None,
         pruner: Pruner,
         outbox: Outbox,
+        fence: Fence = no_fence,
     ) -> None:
         self.catalog = catalog
+        self.fence = fence
         self.storage = catalog.storage
         self.rank = cfg.rank
         self.shard = fmt.shard_filename(cfg.rank)
@@ -109,6 +111,7 @@ class Writer:
             seg = self.slabs.get(req.slab, req.slab_size)
             if self.catalog.is_committed(req.step):
                 raise StepExistsError(f"step {req.step} is already committed in {self.storage.url}")
+            self.fence(f"write step {req.step}")
             self.storage.makedirs(step_dir)
             created_dir = True
             tensors, shard_crc, dtensors = self._write_shard(step_dir, seg, layout)
@@ -120,7 +123,13 @@ class Writer:
             shard = {"file": self.shard, "rank": self.rank, "nbytes": nbytes, "crc32c": shard_crc}
             if self.coord is not None:
                 created_dir = False  # other ranks write here too: never removed by one of them
-            created_at = self._commit(req, Part(self.rank, shard, tensors, tree, dtensors))
+            try:
+                created_at = self._commit(req, Part(self.rank, shard, tensors, tree, dtensors))
+            except (LeaseLostError, StepExistsError):
+                # Fenced off, or beaten to the commit: the directory may be another writer's
+                # now, so nothing in it is ours to remove.
+                created_dir = False
+                raise
             created_dir = False  # committed: never cleaned up as a partial
             self.pruner.committed(CheckpointRecord(req.step, created_at, dict(req.metrics)))
             self._event("save.committed", req, time.monotonic() - written, nbytes)
@@ -173,7 +182,8 @@ class Writer:
         manifest = merge(
             [part], step=req.step, created_at=created_at, metrics=req.metrics, metadata=req.metadata
         )  # one rank cannot disagree with itself: no dtable.Disagreement here
-        self.storage.put_atomic(manifest_path(req.step), manifest)
+        self.fence(f"commit step {req.step}")
+        publish_manifest(self.storage, manifest_path(req.step), manifest, req.step)
         return created_at
 
     def _failed(

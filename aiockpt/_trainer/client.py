@@ -26,6 +26,7 @@ from .._core.protocol import (
     CollectPartialsReq,
     EventMsg,
     Hello,
+    LeaseGrant,
     LoadReply,
     LoadReq,
     ProtocolMismatch,
@@ -92,6 +93,11 @@ class DaemonClient(Protocol):
         """The daemon's exit status, None while it runs."""
         ...
 
+    @property
+    def lease(self) -> LeaseGrant | None:
+        """The root's lease the daemon took as it started; None when it took none."""
+        ...
+
     async def serve(self) -> None:
         """Deliver the daemon's messages to the callbacks until it is gone, then call
         ``gone``; the manager runs this as a task for the daemon's lifetime."""
@@ -150,6 +156,7 @@ class SubprocessClient:
         self._requests: dict[int, tuple[anyio.Event, list[Reply]]] = {}
         self._ids = itertools.count(1)
         self._reader_done = anyio.Event()
+        self._lease: LeaseGrant | None = None
 
     @classmethod
     async def spawn(
@@ -198,7 +205,9 @@ class SubprocessClient:
                 await anyio.to_thread.run_sync(proc.wait)
             chan.close()
             raise refusal
-        return cls(proc, chan, callbacks)
+        client = cls(proc, chan, callbacks)
+        client._lease = ready.lease if isinstance(ready, Ready) else None
+        return client
 
     @property
     def alive(self) -> bool:
@@ -209,6 +218,11 @@ class SubprocessClient:
     def pid(self) -> int:
         """The daemon's process id."""
         return self.proc.pid
+
+    @property
+    def lease(self) -> LeaseGrant | None:
+        """The lease the daemon took as it started (see Ready.lease)."""
+        return self._lease
 
     @property
     def exit_code(self) -> int | None:

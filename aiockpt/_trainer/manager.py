@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -22,6 +23,8 @@ import anyio
 from .._core.protocol import (
     CheckpointInfo,
     Hello,
+    LeaseGrant,
+    LeaseSpec,
     LoadReply,
     LoadReq,
     RecordsReq,
@@ -30,7 +33,7 @@ from .._core.protocol import (
     Wanted,
 )
 from .._core.shm import sweep_orphans
-from ..errors import DaemonError, ManagerClosedError
+from ..errors import DaemonError, ManagerClosedError, ReadOnlyError
 from ..events import EventDispatcher, EventHandler, entry_point_handlers, logger, process_group_info
 from ..retention import CheckpointRecord, RetentionPolicy, best_order
 from . import checks
@@ -44,6 +47,10 @@ from .sigterm import SigtermFlush, require_main_thread
 from .staging import LayoutCache, SlabPool
 from .state import Flattener
 from .supervisor import Supervisor
+
+#: Seconds a root's lease lasts without renewal (renewed every third of it): a writer that
+#: dies leaves its root free again within this.
+DEFAULT_LEASE_TTL = 30.0
 
 __all__ = ["AsyncCheckpointManager", "CheckpointInfo", "SaveHandle"]
 
@@ -67,6 +74,9 @@ class AsyncCheckpointManager:
         close_timeout: float | None = None,
         dist_timeout: float = 300.0,
         on_sigterm: str | None = None,
+        read_only: bool = False,
+        takeover: bool = False,
+        lease_ttl: float = DEFAULT_LEASE_TTL,
     ) -> None:
         self.url = checks.root_url(root)
         self.storage_options = dict(storage_options or {})
@@ -76,6 +86,16 @@ class AsyncCheckpointManager:
         self.start_timeout = start_timeout
         self.close_timeout = close_timeout
         self.on_sigterm = checks.sigterm_mode(on_sigterm)
+        self.read_only = bool(read_only)
+        self.takeover = bool(takeover)
+        self.lease_ttl = checks.positive_float("lease_ttl", lease_ttl)
+        if self.read_only and (self.takeover or self.retention is not None):
+            raise ValueError(
+                "a read_only manager takes no lease and deletes nothing: takeover and "
+                "retention do not apply"
+            )
+        #: This manager's id in the root's lease: its respawned daemons resume the lease.
+        self._owner = uuid.uuid4().hex
         self.process_group = process_group
         self._group: _dist.Group | None = None
         self.rank = 0
@@ -151,10 +171,14 @@ class AsyncCheckpointManager:
                 rank=self.rank,
                 world_size=self.world_size,
                 trainer_pid=os.getpid(),
-                collect_partials=self._group is None,
+                collect_partials=self._group is None and not self.read_only,
                 dist_timeout=self.dist_timeout if self.world_size > 1 else None,
+                lease=None
+                if self.read_only or self.rank != 0
+                else LeaseSpec(self._owner, self.lease_ttl, self.lease_ttl / 3, self.takeover),
             )
             await self._daemons.start(self._tg, self._group, hello)
+            lease_events(self.events, self._daemons.lease, self.url)
             if self.on_sigterm is not None:
                 self._sigterm = SigtermFlush(self._flush)
                 await self._sigterm.start(self._tg)
@@ -265,6 +289,10 @@ class AsyncCheckpointManager:
     ) -> SaveHandle:
         """Snapshot ``state`` and start writing it; returns once the state may be mutated."""
         self._check_open()
+        if self.read_only:
+            raise ReadOnlyError(
+                f"this manager of {self.url} was opened read_only=True: it cannot save"
+            )
         return await self._saver.save(self._group, step, state, metrics, metadata)
 
     async def wait(self) -> None:
@@ -315,3 +343,19 @@ class AsyncCheckpointManager:
         if not isinstance(strict, bool):
             raise TypeError(f"strict must be a bool, not {type(strict).__name__}")
         return await self._loader.load(step, into, strict, check_keys(keys))
+
+
+def lease_events(events: EventDispatcher, grant: LeaseGrant | None, url: str) -> None:
+    """The events of the lease the daemon took at open, if it took one."""
+    if grant is None:
+        return
+    events.emit("lease.acquired", generation=grant.generation)
+    if grant.taken_from is not None:
+        events.emit("lease.takeover", generation=grant.generation, detail=grant.taken_from)
+    if not grant.guaranteed:
+        events.emit(
+            "lease.unguarded",
+            generation=grant.generation,
+            detail=f"{url} cannot create files conditionally: two writers opening it at the "
+            "same moment could both take its lease (see docs/reliability.md)",
+        )

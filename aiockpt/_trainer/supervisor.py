@@ -9,8 +9,15 @@ from dataclasses import replace
 import anyio
 import anyio.abc
 
-from .._core.protocol import CollectPartialsReq, EventMsg, Hello, PublishFailureReq, StepsReq
-from ..errors import CheckpointError, DaemonDiedError
+from .._core.protocol import (
+    CollectPartialsReq,
+    EventMsg,
+    Hello,
+    LeaseGrant,
+    PublishFailureReq,
+    StepsReq,
+)
+from ..errors import CheckpointError, DaemonDiedError, DaemonStartError, RootLockedError
 from .client import DaemonCallbacks, DaemonClient
 from .dist import Group
 from .ledger import Emit, Ledger
@@ -41,6 +48,8 @@ class Supervisor:
     ) -> None:
         self._connect = connect
         self._hello: Hello | None = None
+        #: The root's lease the first daemon took (rank 0 of a writing manager), else None.
+        self.lease: LeaseGrant | None = None
         self._pool = pool
         self._ledger = ledger
         self._mirror = mirror
@@ -61,13 +70,35 @@ class Supervisor:
         before any of them may save.
         """
         self._tg, self._group, self._hello = tg, group, hello
-        await self._spawn(hello)
+        if group is None:
+            d = await self._spawn(hello)
+        else:
+            d = await self._spawn_together(group, hello)
+        self.lease = d.lease
         if group is not None:
             group.barrier()
-            if group.rank == 0:
+            if group.rank == 0 and hello.lease is not None:  # a writer, holding the root
                 await (await self.live()).request(CollectPartialsReq)
             group.barrier()
         self._ledger.committed = set(await (await self.live()).request(StepsReq))
+
+    async def _spawn_together(self, group: Group, hello: Hello) -> DaemonClient:
+        """Start this rank's daemon; when any rank's could not start (rank 0's finding the
+        root leased, say), fail on every rank with that rank's error."""
+        try:
+            d, problem = await self._spawn(hello), None
+        except CheckpointError as e:
+            d, problem = None, e
+        told = group.all_gather(None if problem is None else (type(problem).__name__, str(problem)))
+        if problem is not None:
+            raise problem
+        for rank, said in enumerate(told):
+            if said is not None:
+                kind, message = said
+                cls = RootLockedError if kind == RootLockedError.__name__ else DaemonStartError
+                raise cls(f"rank {rank} could not open the manager: {message}")
+        assert d is not None
+        return d
 
     async def live(self) -> DaemonClient:
         """The running daemon; after a death, a new one (which may have committed saves the

@@ -24,6 +24,14 @@ class Storage(Protocol):
     def put_atomic(self, path: str, data: bytes) -> None:
         """Publish a small file atomically and durably: readers see all of it or nothing."""
 
+    # Optional, where the backend can do it atomically (local files, S3, memory):
+    #
+    #     def put_if_absent(self, path: str, data: bytes) -> bool:
+    #         """Create a small file atomically and durably unless something is at ``path``
+    #         (then return False, changing nothing); two callers never both get True."""
+    #
+    # It makes the root's lease and its commits safe against two writers (docs/reliability.md).
+
     def read_range(self, path: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of a file."""
 

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import fsspec
+from fsspec.implementations.memory import MemoryFileSystem
 
 from ..errors import StorageError
 
@@ -22,6 +23,11 @@ class FsspecStorage:
         except (ImportError, ValueError) as e:
             raise StorageError(f"cannot open {url}: {e}", path=url) from e
         self.root = self.root.rstrip("/")
+        if isinstance(self.fs, MemoryFileSystem):
+            # Its create mode is one check-and-insert under the GIL: atomic in this process,
+            # the only one that sees the filesystem. Elsewhere fsspec's create mode is an
+            # exists() then a write, which two writers can both pass: not offered.
+            self.put_if_absent = self._put_if_absent
 
     def _full(self, path: str) -> str:
         return f"{self.root}/{path}" if path else self.root
@@ -53,6 +59,15 @@ class FsspecStorage:
             self.fs.pipe_file(self._full(path), data)
         except Exception as e:
             raise self._error("write", path, e) from None
+
+    def _put_if_absent(self, path: str, data: bytes) -> bool:
+        try:
+            self.fs.pipe_file(self._full(path), data, mode="create")
+        except FileExistsError:
+            return False
+        except Exception as e:
+            raise self._error("create", path, e) from None
+        return True
 
     def read_range(self, path: str, start: int, end: int) -> bytes:
         try:

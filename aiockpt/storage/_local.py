@@ -7,6 +7,7 @@ import ctypes
 import errno as errno_mod
 import os
 import shutil
+import threading
 from collections.abc import Sequence
 
 from ..errors import StorageError
@@ -14,6 +15,8 @@ from ..errors import StorageError
 _DIRECT_ALIGN = 4096
 _CHUNK = 64 * 1024 * 1024  # O_DIRECT chunk: a multiple of the alignment
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+#: put_if_absent's temporary name is unique per process: its calls in the process take turns.
+_CREATING = threading.Lock()
 
 
 def _address(buf: memoryview) -> int | None:
@@ -113,6 +116,30 @@ class LocalStorage:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise self._error("write", path, e) from None
+
+    def put_if_absent(self, path: str, data: bytes) -> bool:
+        """Create ``path`` holding ``data``, atomically and durably, unless something is there:
+        False then. The file is written and synced under a temporary name and linked into
+        place, and link(2) never replaces an existing name."""
+        full = self._full(path)
+        tmp = f"{full}.{os.getpid()}.new"  # unique per process; calls in it take turns
+        with _CREATING:
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                try:
+                    os.link(tmp, full)
+                except FileExistsError:
+                    return False
+                _fsync_dir(os.path.dirname(full))
+                return True
+            except OSError as e:
+                raise self._error("create", path, e) from None
+            finally:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
 
     def makedirs(self, path: str) -> None:
         full = self._full(path)

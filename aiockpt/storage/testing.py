@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import errno
 import random
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -39,6 +41,8 @@ class StorageContract:
 
     #: Bytes of the large file: make it cross the backend's multipart/chunk threshold.
     large_size: int = 9 * 1024 * 1024 + 123
+    #: Whether the storage offers ``put_if_absent`` (an atomic conditional create).
+    conditional_create: bool = True
 
     @pytest.fixture
     def storage_factory(self) -> Callable[[], Storage]:
@@ -120,6 +124,36 @@ class StorageContract:
         assert storage.size("step_2/manifest.json") == 8
         # no temporary file is left where listings can see it
         assert storage.list_dir("step_2") == ["manifest.json"]
+
+    def test_put_if_absent_creates_once(self, storage: Storage) -> None:
+        put = getattr(storage, "put_if_absent", None)
+        assert (put is not None) == self.conditional_create
+        if put is None:
+            return
+        storage.makedirs("_lease")
+        assert put("_lease/g1.json", b"first") is True
+        assert put("_lease/g1.json", b"second") is False
+        assert storage.read_range("_lease/g1.json", 0, 5) == b"first"
+        assert storage.list_dir("_lease") == ["g1.json"]  # no temporary file left in sight
+
+    def test_put_if_absent_has_one_winner_among_racing_writers(
+        self, opened: Callable[[], Storage]
+    ) -> None:
+        if not self.conditional_create:
+            return
+        writers = [opened() for _ in range(4)]
+        writers[0].makedirs("step_1")
+        barrier = threading.Barrier(len(writers))
+
+        def race(i: int) -> bool:
+            barrier.wait()
+            return bool(writers[i].put_if_absent("step_1/manifest.json", b"%d" % i))  # type: ignore[attr-defined]
+
+        with ThreadPoolExecutor(len(writers)) as pool:
+            won = list(pool.map(race, range(len(writers))))
+        assert won.count(True) == 1
+        winner = won.index(True)
+        assert writers[0].read_range("step_1/manifest.json", 0, 1) == b"%d" % winner
 
     def test_makedirs_is_idempotent(self, storage: Storage) -> None:
         storage.makedirs("a/b")

@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from aiockpt import AsyncCheckpointManager
 from aiockpt._core import format as fmt
 from aiockpt._core.chunks import Chunk
+from aiockpt._core.lease import LEASE_DIR
 from aiockpt._core.protocol import Hello, LoadReq
 from aiockpt._daemon.server import Daemon, PipeEnd
 from aiockpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedValueError
@@ -597,7 +598,7 @@ async def test_keys_with_slashes_and_dots_are_stored_safely(root):
         info = await (await mgr.save(1, state))
         out = await mgr.load(1)
     assert sorted(os.listdir(info.url)) == [fmt.MANIFEST, SHARD]
-    assert sorted(os.listdir(root)) == ["step_000000000001"]
+    assert sorted(os.listdir(root)) == [LEASE_DIR, "step_000000000001"]  # nothing else
     assert torch.equal(out[".."][".."], torch.arange(2))
     assert torch.equal(out["/abs"], torch.arange(3))
     assert torch.equal(out["a/../b"], torch.arange(4))

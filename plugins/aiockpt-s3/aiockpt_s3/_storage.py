@@ -13,6 +13,7 @@ retries), ``_client`` (requests to the bucket), ``_transfer`` (bodies and checks
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -36,6 +37,8 @@ log = logging.getLogger("aiockpt")
 T = TypeVar("T")
 
 DELETE_BATCH = 1000  # DeleteObjects takes at most 1000 keys
+#: Tries of a conditional PUT that S3 answers 409 (another conditional PUT of the key running).
+_CONFLICT_TRIES = 20
 
 
 class S3Storage:
@@ -144,6 +147,37 @@ class S3Storage:
         """Write ``data`` to ``path``: readers see all of it or none of it."""
         # One PUT: S3 shows readers all of an object or none of it.
         self._run("write", path, self._put, self._key(path), bytes(data))
+
+    def put_if_absent(self, path: str, data: bytes) -> bool:
+        """Create ``path`` holding ``data`` unless an object is there (False then): one PUT
+        with ``If-None-Match: *``, which S3 answers 412 when the key exists."""
+        return bool(self._run("create", path, self._put_if_absent, self._key(path), bytes(data)))
+
+    async def _put_if_absent(self, key: str, data: bytes) -> bool:
+        kwargs: dict[str, Any] = {"Key": key, "IfNoneMatch": "*", "Body": data}
+        kwargs.update(await checksum_params(self.options.checksum, data))
+        for _ in range(_CONFLICT_TRIES):
+            try:
+                await self._client.call("create", key, "put_object", **kwargs)
+                return True
+            except GaveUp as e:
+                code, status = error_code(e.cause)
+                if status == 409 or code == "ConditionalRequestConflict":
+                    await asyncio.sleep(0.05)  # another conditional PUT of the key in flight
+                    continue
+                if status != 412 and code != "PreconditionFailed":
+                    raise
+                if e.attempts == 1:
+                    return False
+                # A retried PUT: its first try may have landed, and then the object is ours.
+                reply = await self._client.call("create", key, "get_object", Key=key)
+                async with reply["Body"] as body:
+                    return bool(await body.read() == data)
+        raise StorageError(
+            f"create {self._client.where(key)} failed: conditional writes of the key kept "
+            f"conflicting ({_CONFLICT_TRIES} tries)",
+            path=self._client.where(key),
+        )
 
     def makedirs(self, path: str) -> None:
         """S3 has no directories; this never calls s3fs's makedirs (which creates buckets)."""

@@ -13,7 +13,7 @@ from _s3server import ErrorReply, Gate, S3Server, is_upload_part
 
 import aiockpt_s3
 from aiockpt import AsyncCheckpointManager
-from aiockpt.errors import StorageError
+from aiockpt.errors import LeaseLostError, RootLockedError, StorageError
 from aiockpt.retention import LatestN
 from aiockpt.storage import open_storage
 from aiockpt.storage.testing import StorageContract
@@ -257,8 +257,33 @@ async def test_manager_save_load_retention_on_s3(s3: S3Server, bucket: str) -> N
         assert torch.equal(loaded["b"], expected["b"])
         assert loaded["step_info"] == {"lr": 0.1}
     keys = {o["Key"] for o in s3.client().list_objects_v2(Bucket=bucket).get("Contents", [])}
-    assert {k.split("/")[1] for k in keys} == {"step_000000000002", "step_000000000003"}
+    assert {k.split("/")[1] for k in keys} == {"_lease", "step_000000000002", "step_000000000003"}
     assert _uploads(s3, bucket) == []
+
+
+@pytest.mark.anyio
+async def test_one_writer_per_s3_root(s3: S3Server, bucket: str) -> None:
+    """The lease on S3: a second manager is refused naming the first; with takeover it goes on,
+    and the first's next save fails with LeaseLostError and commits nothing."""
+    url, options = f"s3://{bucket}/run", s3.options(**FAST)
+    async with AsyncCheckpointManager(url, storage_options=options) as first:
+        await (await first.save(1, _state(1024, 1)))
+        with pytest.raises(RootLockedError, match="is leased by another writer") as info:
+            async with AsyncCheckpointManager(url, storage_options=options):
+                pass
+        assert info.value.holder is not None
+        assert info.value.holder["generation"] == 1
+        async with AsyncCheckpointManager(url, storage_options=options, takeover=True) as second:
+            with pytest.raises(LeaseLostError):
+                await (await first.save(2, _state(1024, 2)))
+            await (await second.save(3, _state(1024, 3)))
+            assert await second.steps() == [1, 3]
+    keys = {o["Key"] for o in s3.client().list_objects_v2(Bucket=bucket).get("Contents", [])}
+    assert not [k for k in keys if k.startswith("run/step_000000000002")]
+    assert {k for k in keys if k.startswith("run/_lease/")} == {
+        "run/_lease/g000000000001.json",
+        "run/_lease/g000000000002.json",
+    }
 
 
 @pytest.mark.anyio
