@@ -49,7 +49,29 @@ async def open_leased(rank: int, world: int, root: str, args: dict) -> dict:
         return {"error": type(e).__name__, "message": str(e)}
 
 
-SCENARIOS = {"open_leased": open_leased}
+async def taken_over(rank: int, world: int, root: str, args: dict) -> dict:
+    """A two-rank job saves; then a writer of its own (rank 0 alone, with takeover=True) takes
+    the root and saves: the job's next save must fail on every rank and commit nothing."""
+    import torch.distributed as dist
+
+    alone = dist.new_group([0])
+    out: dict = {}
+    async with AsyncCheckpointManager(root) as job:
+        await (await job.save(1, {"w": torch.full((4,), float(rank))}))
+        if rank == 0:
+            async with AsyncCheckpointManager(root, process_group=alone, takeover=True) as new:
+                await (await new.save(2, {"w": torch.zeros(4)}))
+        dist.barrier()
+        try:
+            await (await job.save(3, {"w": torch.ones(4)}))
+            out["saved"] = 3
+        except Exception as e:
+            out["error"] = type(e).__name__
+            out["message"] = str(e)
+    return out
+
+
+SCENARIOS = {"open_leased": open_leased, "taken_over": taken_over}
 
 if __name__ == "__main__":
     if sys.argv[1] in SCENARIOS:

@@ -17,6 +17,7 @@ import torch
 from _support.ranks import TESTS, run_ranks
 
 from aiockpt import AsyncCheckpointManager, LatestN
+from aiockpt._core.catalog import Catalog
 from aiockpt._core.lease import LEASE_DIR, LeaseRecord, lease_path, read_current
 from aiockpt.cli import main as cli_main
 from aiockpt.errors import DaemonDiedError, LeaseLostError, ReadOnlyError, RootLockedError
@@ -271,3 +272,15 @@ def test_every_rank_of_a_job_refuses_a_root_another_writer_holds(tmp_path):
         assert r["error"] == "RootLockedError", r
         assert "elsewhere pid 7" in r["message"]
     assert not [n for n in os.listdir(root) if n != LEASE_DIR]
+
+
+def test_a_job_taken_over_fails_its_next_save_on_every_rank(tmp_path):
+    root = str(tmp_path / "run")
+    r0, r1 = run_ranks("_lease_worker.py", "taken_over", 2, tmp_path, root, args={})
+    assert r0["error"] == "LeaseLostError", r0
+    # Rank 1 checks rank 0's generation itself before it writes; either way nothing lands.
+    assert r1["error"] in ("LeaseLostError", "DistributedSaveError"), r1
+    assert "generation" in r1["message"] or "rank" in r1["message"]
+    # Committed: the job's first save and the new writer's; step 3 at most a partial (the
+    # ranks' failure notices), never listed.
+    assert Catalog(open_storage(root)).committed_steps() == [1, 2]

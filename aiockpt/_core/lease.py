@@ -23,7 +23,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, LeaseLostError
 from ..storage import Storage
 from .tree import bounded_repr as _short
 
@@ -145,3 +145,14 @@ def read_current(storage: Storage, now: float | None = None) -> Current:
         return Current(generation, parse_lease(data, generation, now))
     except ValueError as e:
         return Current(generation, None, f"{where} is not a lease aiockpt wrote: {e}")
+
+
+def check_generation(storage: Storage, generation: int, what: str) -> None:
+    """Raise LeaseLostError unless ``generation`` is still the root's lease: what a rank that
+    does not hold its job's lease checks before it writes (one listing)."""
+    top = highest_generation(storage)
+    if top != generation:
+        raise LeaseLostError(
+            f"cannot {what}: the job's lease on {storage.url} (generation {generation}) was "
+            f"taken over by another writer (generation {top})"
+        )

@@ -154,6 +154,9 @@ class SaveReq:
     #: Fragments and layouts no later request will refer to.
     forget_fragments: tuple[int, ...] = ()
     forget_layouts: tuple[int, ...] = ()
+    #: On ranks other than 0 of a writing manager: the generation of the lease rank 0 holds,
+    #: checked before this rank writes (None: rank 0, which holds it, or no lease).
+    lease_generation: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,7 @@ from .._core import dtable
 from .._core import format as fmt
 from .._core.catalog import Catalog, manifest_path
 from .._core.chunks import Chunk
+from .._core.lease import check_generation
 from .._core.protocol import CheckpointInfo, Hello, LayoutMsg, SaveDone, SaveReq, SlabFree
 from .._core.shm import Segment
 from ..errors import DistributedSaveError, LeaseLostError, StepExistsError
@@ -111,7 +112,7 @@ class Writer:
             seg = self.slabs.get(req.slab, req.slab_size)
             if self.catalog.is_committed(req.step):
                 raise StepExistsError(f"step {req.step} is already committed in {self.storage.url}")
-            self.fence(f"write step {req.step}")
+            self._fence(req, f"write step {req.step}")
             self.storage.makedirs(step_dir)
             created_dir = True
             tensors, shard_crc, dtensors = self._write_shard(step_dir, seg, layout)
@@ -172,9 +173,18 @@ class Writer:
                 result = crcs.result()  # never leave the view to a running thread
         return result
 
+    def _fence(self, req: SaveReq, what: str) -> None:
+        """Refuse ``what`` once the lease is lost: rank 0 checks the lease it holds, another
+        rank the generation rank 0 held when the manager opened."""
+        self.fence(what)
+        if req.lease_generation is not None:
+            check_generation(self.storage, req.lease_generation, what)
+
     def _commit(self, req: SaveReq, part: Part) -> float:
         """Publish the manifest (with the other ranks' parts, on several); its commit time."""
         if self.coord is not None:
+            if self.rank != 0:
+                self._fence(req, f"publish rank {self.rank}'s part of step {req.step}")
             return self.coord.commit(
                 step=req.step, uuid=req.uuid, part=part, metrics=req.metrics, metadata=req.metadata
             )

@@ -142,6 +142,7 @@ class Saver:
                 fragments=delta.fragments,
                 forget_fragments=delta.forget_fragments,
                 forget_layouts=delta.forget_layouts,
+                lease_generation=self._daemons.lease_generation,
             )
             if not client.alive:
                 raise DaemonDiedError(

@@ -50,6 +50,9 @@ class Supervisor:
         self._hello: Hello | None = None
         #: The root's lease the first daemon took (rank 0 of a writing manager), else None.
         self.lease: LeaseGrant | None = None
+        #: On the other ranks of a writing manager: the generation of rank 0's lease, which
+        #: their daemons check before they write (SaveReq.lease_generation).
+        self.lease_generation: int | None = None
         self._pool = pool
         self._ledger = ledger
         self._mirror = mirror
@@ -89,14 +92,21 @@ class Supervisor:
             d, problem = await self._spawn(hello), None
         except CheckpointError as e:
             d, problem = None, e
-        told = group.all_gather(None if problem is None else (type(problem).__name__, str(problem)))
+        grant = d.lease if d is not None else None
+        said = (
+            (type(problem).__name__, str(problem))
+            if problem is not None
+            else (None, grant.generation if grant is not None else None)
+        )
+        told = group.all_gather(said)
         if problem is not None:
             raise problem
-        for rank, said in enumerate(told):
-            if said is not None:
-                kind, message = said
+        for rank, (kind, message) in enumerate(told):
+            if kind is not None:
                 cls = RootLockedError if kind == RootLockedError.__name__ else DaemonStartError
                 raise cls(f"rank {rank} could not open the manager: {message}")
+        if group.rank != 0:
+            self.lease_generation = told[0][1]
         assert d is not None
         return d
 
