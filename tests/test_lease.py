@@ -16,7 +16,7 @@ import pytest
 import torch
 from _support.ranks import TESTS, run_ranks
 
-from aiockpt import AsyncCheckpointManager, LatestN
+from aiockpt import AsyncCheckpointManager, CheckpointManager, LatestN
 from aiockpt._core.catalog import Catalog
 from aiockpt._core.lease import LEASE_DIR, LeaseRecord, lease_path, read_current
 from aiockpt.cli import main as cli_main
@@ -247,6 +247,18 @@ async def test_a_read_only_manager_needs_no_lease_and_changes_nothing(tmp_path):
         await (await writer.save(4, state(4)))
     with pytest.raises(ValueError, match="read_only"):
         AsyncCheckpointManager(root, read_only=True, retention=LatestN(1))
+    with pytest.raises(ValueError, match="lease_ttl must be at most"):
+        AsyncCheckpointManager(root, lease_ttl=7 * 86400)
+
+
+def test_the_sync_manager_takes_the_same_lease(tmp_path):
+    root = str(tmp_path / "run")
+    with CheckpointManager(root) as first:
+        first.save(1, state(1)).result()
+        with pytest.raises(RootLockedError):
+            CheckpointManager(root).open()
+        with CheckpointManager(root, read_only=True) as reader:
+            assert reader.steps() == [1]
 
 
 async def test_prune_refuses_a_root_a_live_writer_holds_unless_forced(tmp_path, capsys):

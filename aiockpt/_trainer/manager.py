@@ -20,6 +20,7 @@ from typing import Any
 
 import anyio
 
+from .._core.lease import MAX_TTL
 from .._core.protocol import (
     CheckpointInfo,
     Hello,
@@ -89,6 +90,8 @@ class AsyncCheckpointManager:
         self.read_only = bool(read_only)
         self.takeover = bool(takeover)
         self.lease_ttl = checks.positive_float("lease_ttl", lease_ttl)
+        if self.lease_ttl > MAX_TTL:
+            raise ValueError(f"lease_ttl must be at most {MAX_TTL:.0f} s, not {lease_ttl!r}")
         if self.read_only and (self.takeover or self.retention is not None):
             raise ValueError(
                 "a read_only manager takes no lease and deletes nothing: takeover and "

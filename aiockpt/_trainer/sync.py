@@ -21,7 +21,7 @@ from ..errors import ManagerClosedError
 from ..events import EventHandler
 from ..retention import RetentionPolicy
 from .ledger import SaveHandle
-from .manager import AsyncCheckpointManager
+from .manager import DEFAULT_LEASE_TTL, AsyncCheckpointManager
 
 __all__ = ["CheckpointManager", "SyncSaveHandle"]
 
@@ -81,6 +81,9 @@ class CheckpointManager:
         start_timeout: float = 60.0,
         close_timeout: float | None = None,
         dist_timeout: float = 300.0,
+        read_only: bool = False,
+        takeover: bool = False,
+        lease_ttl: float = DEFAULT_LEASE_TTL,
     ) -> None:
         self._options: dict[str, Any] = {
             "storage_options": storage_options,
@@ -91,6 +94,9 @@ class CheckpointManager:
             "start_timeout": start_timeout,
             "close_timeout": close_timeout,
             "dist_timeout": dist_timeout,
+            "read_only": read_only,
+            "takeover": takeover,
+            "lease_ttl": lease_ttl,
         }
         self._root = root
         # Built here too, so bad arguments fail at once, as with the async manager; the one
