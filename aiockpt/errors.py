@@ -10,6 +10,7 @@ Every error derives from :class:`CheckpointError` and from the built-in it resem
     ├── CheckpointNotFoundError (LookupError) no committed checkpoint for that step / in that root
     ├── CorruptCheckpointError (ValueError)   a failed checksum or a malformed manifest or header
     ├── LoadMismatchError (ValueError)        load(into=...) met a tensor of another shape or dtype
+    │   └── SavedKeyNotFoundError (KeyError)  load(keys=...) named a key path that was not saved
     ├── StorageError (OSError)                the storage failed; carries errno and the path
     ├── DaemonError (RuntimeError)            the daemon could not do what was asked
     │   ├── DaemonDiedError                   the daemon exited; carries its exit code
@@ -38,6 +39,7 @@ __all__ = [
     "ManagerClosedError",
     "ReadOnlyError",
     "RootLockedError",
+    "SavedKeyNotFoundError",
     "StepExistsError",
     "StorageError",
     "UnsupportedValueError",
@@ -102,6 +104,14 @@ class CorruptCheckpointError(CheckpointError, ValueError):
 
 class LoadMismatchError(CheckpointError, ValueError):
     """``load(into=...)`` found a saved value that does not fit the destination."""
+
+
+class SavedKeyNotFoundError(LoadMismatchError, KeyError):
+    """``load(keys=...)`` named a key path the checkpoint does not hold; the message names it
+    and the close matches among the saved key paths."""
+
+    def __str__(self) -> str:  # the message, not KeyError's repr of it
+        return Exception.__str__(self)
 
 
 class StorageError(CheckpointError, OSError):

@@ -71,6 +71,13 @@ async def test_keys_that_name_nothing_or_are_malformed_are_refused(saved):
     mgr, _ = saved
     with pytest.raises(LoadMismatchError, match="no saved value at 'model/layers.9'"):
         await mgr.load(1, keys=["model", "model/layers.9"])
+    # A KeyError too, naming the close matches among the saved key paths.
+    with pytest.raises(KeyError) as info:
+        await mgr.load(1, keys=["model/layer.3", "optim/w"])
+    message = str(info.value)
+    assert "no saved value at 'model/layer.3', 'optim/w'" in message
+    assert "'model/layer.3': did you mean 'model/layers.3'" in message
+    assert not message.startswith('"')  # the message itself, not KeyError's repr of it
     for bad in ([""], ["/model"], ["model/"], [3]):
         with pytest.raises(ValueError, match="key paths"):
             await mgr.load(1, keys=bad)

@@ -7,6 +7,7 @@ The trainer gets a :class:`LoadReply` saying where each verified tensor lies.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -19,12 +20,12 @@ from .._core.chunks import Chunk
 from .._core.gc import no_gc
 from .._core.protocol import LoadReply, SlabRef, TensorAt, Wanted
 from .._core.shm import Segment, unlink
-from .._core.tree import select_paths, tensor_references
+from .._core.tree import select_paths, tensor_references, walk
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
-    LoadMismatchError,
+    SavedKeyNotFoundError,
 )
 from .reshard import OUT_ALIGN, Assembler, out_offsets, wanted_box
 from .shared import Slabs
@@ -100,8 +101,17 @@ def _selected(tree: Any, select: tuple[str, ...], required: bool, left_out: list
     LoadMismatchError."""
     pruned, unmatched = select_paths(tree, select, left_out)
     if unmatched and required:
-        raise LoadMismatchError(
-            "no saved value at " + ", ".join(repr(k) for k in sorted(unmatched))
+        missing = sorted(unmatched)
+        saved = [path for path, _, _, _ in walk(tree) if path]
+        hints = [
+            f"{k!r}: did you mean " + " or ".join(map(repr, close))
+            for k in missing
+            if (close := difflib.get_close_matches(k, saved, n=3))
+        ]
+        raise SavedKeyNotFoundError(
+            "no saved value at "
+            + ", ".join(map(repr, missing))
+            + (f" ({'; '.join(hints)})" if hints else "")
         )
     return pruned
 
