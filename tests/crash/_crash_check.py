@@ -1,0 +1,158 @@
+"""The invariants, checked in each crash state rebuilt as a directory.
+
+Two levels, both through aiockpt's own code:
+
+- :func:`inspect`, in this process, on every state: the catalog's listing (committed = has a
+  manifest), each committed step's manifest and shards byte for byte against what the
+  recorded run wrote, ``aiockpt verify ROOT STEP`` exiting 0, and a lease file that is one
+  aiockpt wrote (so a later writer can take a dead writer's lease over).
+- :func:`open_and_check`, a fresh :class:`AsyncCheckpointManager` and its daemon, on one state
+  of each class of states that differ only in leftover temporary files (``*.new``,
+  ``*.tmp``): it opens the root (``takeover=True``: the lease there is the dead writer's,
+  unexpired), its ``steps()`` load bit-exact against what was saved, the partials below the
+  newest commit are gone after the open, and once a newer step commits the next open removes
+  every partial.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from aiockpt import AsyncCheckpointManager
+from aiockpt._core.catalog import Catalog
+from aiockpt._core.lease import read_current
+from aiockpt.cli import main as cli_main
+from aiockpt.errors import CheckpointError
+from aiockpt.storage import LocalStorage
+
+TEMPORARY = re.compile(r".*\.(new|tmp)$")
+_STEP = re.compile(r"step_(\d{12})/")
+
+
+def materialize(tree: Mapping[str, bytes | None], root: str) -> str:
+    """Write ``tree`` (path -> bytes, or None for a directory) under ``root``."""
+    os.makedirs(root)
+    for path, data in sorted(tree.items()):
+        full = os.path.join(root, path)
+        if data is None:
+            os.makedirs(full, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(full), exist_ok=True)
+            with open(full, "wb") as f:
+                f.write(data)
+    return root
+
+
+def coarse(tree: Mapping[str, bytes | None]) -> dict[str, bytes | None]:
+    """The tree without its temporary files."""
+    return {p: v for p, v in tree.items() if not TEMPORARY.match(p)}
+
+
+def verify(root: str, step: int) -> int:
+    """``aiockpt verify ROOT STEP``, its output kept from the test's."""
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return cli_main(["verify", root, str(step)])
+
+
+def written_files(records: list[dict[str, Any]]) -> dict[str, bytes]:
+    """What the recorded run wrote into step directories, by path: the reference."""
+    out = {}
+    for r in records:
+        if r["op"] == "api" and r["call"] in ("write_file", "put_atomic", "put_if_absent"):
+            if _STEP.match(r["path"]) and r.get("result", True):
+                out[r["path"]] = r["data"]
+    return out
+
+
+def inspect(root: str, reference: Mapping[str, bytes]) -> tuple[set[int], list[str]]:
+    """The committed steps of ``root`` and what is wrong with it (see the module doc)."""
+    storage = LocalStorage(root)
+    catalog = Catalog(storage)
+    problems = []
+    lease = read_current(storage)
+    if lease.problem is not None:
+        problems.append(f"the lease is not one aiockpt wrote: {lease.problem}")
+    committed = set(catalog.committed_steps())
+    for step in sorted(committed):
+        step_dir = f"step_{step:012d}"
+        names = [f"{step_dir}/manifest.json"]
+        try:
+            names += [f"{step_dir}/{s.file}" for s in catalog.read_manifest(step).shards]
+        except CheckpointError as e:
+            problems.append(f"step {step} is committed but its manifest is refused: {e}")
+        for name in names:
+            full = os.path.join(root, name)
+            data = open(full, "rb").read() if os.path.isfile(full) else None  # noqa: SIM115
+            if data != reference.get(name):
+                got = "missing" if data is None else f"{len(data)} bytes"
+                problems.append(f"step {step} is committed but {name} is not as written ({got})")
+        if verify(root, step) != 0:
+            problems.append(f"step {step} is committed but aiockpt verify fails")
+    return committed, problems
+
+
+def same(a: Any, b: Any) -> bool:
+    """Bit-exact equality of two saved states."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
+    if isinstance(a, dict) and isinstance(b, dict):
+        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+
+
+def partials(root: str) -> dict[int, bool]:
+    """Each step directory's step -> whether it has a manifest."""
+    return Catalog(LocalStorage(root)).step_dirs()
+
+
+async def open_and_check(
+    root: str, expected: Callable[[int], Any], lease_ttl: float
+) -> tuple[set[int], list[str]]:
+    """What a fresh manager lists in ``root``, and what is wrong (see the module doc)."""
+    problems: list[str] = []
+    before = partials(root)
+    try:
+        async with AsyncCheckpointManager(root, takeover=True, lease_ttl=lease_ttl) as mgr:
+            listed = set(await mgr.steps())
+            for step in sorted(listed):
+                if not before.get(step, False):
+                    problems.append(f"step {step} is listed without a manifest")
+                try:
+                    loaded = await mgr.load(step)
+                except CheckpointError as e:
+                    problems.append(f"step {step} is listed but does not load: {e}")
+                    continue
+                if not same(loaded, expected(step)):
+                    problems.append(f"step {step} loads, but not what was saved")
+            newest = max(listed, default=-1)
+            after = partials(root)
+            stale = [s for s, c in after.items() if not c and s < newest]
+            if stale:
+                problems.append(f"partials {stale} below the newest commit survived the open")
+            kept = [s for s, c in after.items() if not c]
+            if kept:  # may be saves in flight: collectable once a newer step commits
+                newer = max(after) + 1
+                await (await mgr.save(newer, expected(newer)))
+        if kept:
+            async with AsyncCheckpointManager(root, lease_ttl=lease_ttl):
+                pass
+            left = [s for s, c in partials(root).items() if not c]
+            if left:
+                problems.append(f"partials {left} survived the open after a newer commit")
+    except Exception as e:  # any failure to open or save a crash state is a finding
+        problems.append(f"a fresh manager failed on it: {type(e).__name__}: {e}")
+        listed = set()
+    return listed, problems

@@ -1,0 +1,81 @@
+"""The recorded runs of the crash-point checker: real managers and daemons saving through the
+``crashrec://`` storage, and what each step held, to compare loads with."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from aiockpt_crash_recorder import RecordingStorage, mark
+
+from aiockpt import AsyncCheckpointManager, LatestN
+
+#: Long enough that no renewal lands in a recorded run, whatever the machine's load: every
+#: lease in a crash state is then a dead writer's unexpired one (see docs/crash-points.md).
+LEASE_TTL = 3600.0
+
+
+def state_for(step: int, rank: int = 0) -> dict[str, Any]:
+    """What the trainer saves at ``step``: tensors of three dtypes and plain values."""
+    return {
+        "model": {
+            "w": torch.arange(24, dtype=torch.float32).view(4, 6) * step,
+            "b": torch.full((5,), step, dtype=torch.int64),
+            "mask": torch.arange(7) % (step + 1) == 0,
+        },
+        "step": step,
+        "note": f"step {step}",
+        "rank": rank,
+    }
+
+
+@dataclass
+class Recording:
+    """A recorded run: its log records, in order."""
+
+    records: list[dict[str, Any]]
+    world: int = 1
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def read_log(path: str, world: int = 1) -> Recording:
+    with open(path, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    for r in records:
+        if "data" in r:
+            r["data"] = base64.b64decode(r["data"])
+    return Recording(records, world)
+
+
+def crashed_save(url: str, log: str, step: int, shard: bytes) -> None:
+    """What a daemon killed while writing ``step`` leaves: the step directory and the first
+    half of its shard, made by the same Storage calls the daemon makes."""
+    storage = RecordingStorage(url.partition("://")[2], log=log, url=url)
+    step_dir = f"step_{step:012d}"
+    storage.makedirs(step_dir)
+    storage.write_file(f"{step_dir}/shard_r00000.safetensors", [memoryview(shard)])
+
+
+async def record_single(root: str, log: str) -> Recording:
+    """One rank: saves 1 and 2; a save of 3 cut short by a daemon death (a partial); save 4,
+    whose retention pass (LatestN(2)) deletes step 1; then a new manager opens the root and
+    collects the partial step 3."""
+    os.makedirs(root)
+    url, options = f"crashrec://{root}", {"log": log}
+    async with AsyncCheckpointManager(
+        url, storage_options=options, retention=LatestN(2), lease_ttl=LEASE_TTL
+    ) as mgr:
+        for step in (1, 2, 4):
+            if step == 4:
+                with open(os.path.join(root, "step_000000000002", "shard_r00000.safetensors"), "rb") as f:
+                    shard = f.read()
+                crashed_save(url, log, 3, shard[: len(shard) // 2])
+            await (await mgr.save(step, state_for(step)))
+            mark(log, durable=step)
+    async with AsyncCheckpointManager(url, storage_options=options, lease_ttl=LEASE_TTL):
+        mark(log, opened=True)
+    return read_log(log)
