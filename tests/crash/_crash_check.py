@@ -64,10 +64,15 @@ def verify(root: str, step: int) -> int:
 def written_files(records: list[dict[str, Any]]) -> dict[str, bytes]:
     """What the recorded run wrote into step directories, by path: the reference."""
     out = {}
+    writes = ("write_file", "put_atomic", "put_if_absent")
     for r in records:
-        if r["op"] == "api" and r["call"] in ("write_file", "put_atomic", "put_if_absent"):
-            if _STEP.match(r["path"]) and r.get("result", True):
-                out[r["path"]] = r["data"]
+        if (
+            r["op"] == "api"
+            and r["call"] in writes
+            and _STEP.match(r["path"])
+            and r.get("result", True)
+        ):
+            out[r["path"]] = r["data"]
     return out
 
 
@@ -89,7 +94,10 @@ def inspect(root: str, reference: Mapping[str, bytes]) -> tuple[set[int], list[s
             problems.append(f"step {step} is committed but its manifest is refused: {e}")
         for name in names:
             full = os.path.join(root, name)
-            data = open(full, "rb").read() if os.path.isfile(full) else None  # noqa: SIM115
+            data = None
+            if os.path.isfile(full):
+                with open(full, "rb") as f:
+                    data = f.read()
             if data != reference.get(name):
                 got = "missing" if data is None else f"{len(data)} bytes"
                 problems.append(f"step {step} is committed but {name} is not as written ({got})")

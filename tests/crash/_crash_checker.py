@@ -46,29 +46,36 @@ def required(records: list[dict[str, Any]], point: int) -> set[int]:
     for r in records[:point]:
         if r["op"] == "mark" and "durable" in r:
             done.add(r["durable"])
-        elif r["op"] in ("unlink", "api") and (m := _MANIFEST.match(r.get("path", ""))):
-            if r["op"] == "unlink" or r["call"] == "delete":
-                deleting.add(int(m.group(1)))
+        elif (r["op"] == "unlink" or r.get("call") == "delete") and (
+            m := _MANIFEST.match(r.get("path", ""))
+        ):
+            deleting.add(int(m.group(1)))
     return done - deleting
+
+
+def _path(record: dict[str, Any]) -> str:
+    return str(record.get("path", record.get("dst", "")))
 
 
 def describe(model: FsModel | None, records: list[dict[str, Any]], point: int, landed: Any) -> str:
     """A crash state in words: the point, the last record before it, and how the operations
     that were not durable there landed (the others landed in full)."""
     last = records[point - 1] if point else {"op": "start"}
-    where = f"crash point {point} (after record {point - 1}: {last['op']} {last.get('path', '')})"
+    where = f"crash point {point} (after record {point - 1}: {last['op']} {_path(last)})"
     if model is None or not landed:
         return where
     names = {ABSENT: "lost", HALF: "torn to half", ZEROS: "zeros"}
     ways = [
-        f"#{model.ops[i].pos} {model.ops[i].kind} {records[model.ops[i].pos].get('path', '')}: {names[how]}"
+        f"#{model.ops[i].pos} {model.ops[i].kind} {_path(records[model.ops[i].pos])}: {names[how]}"
         for i, how in landed
         if how in names
     ]
     return where + "; " + ("; ".join(ways) or "every pending operation landed")
 
 
-def _states(rec: Recording, model: str, per_point: int | None) -> Iterator[tuple[int, dict, str, FsModel | None]]:
+def _states(
+    rec: Recording, model: str, per_point: int | None
+) -> Iterator[tuple[int, dict, str, FsModel | None]]:
     if model == "objects":
         for point, tree in object_states(rec.records):
             yield point, tree, describe(None, rec.records, point, ()), None

@@ -73,13 +73,17 @@ def fs_ops(records: Sequence[dict[str, Any]]) -> list[FsOp]:
         if kind in ("create", "mkdir"):
             ids[r["ino"]] = next(fresh)
         if kind in ("write", "truncate", "fsync", "fsync_dir"):
-            ops.append(FsOp(pos, kind, of(r["ino"]), offset=r.get("offset", 0), data=r.get("data", b"")))
+            ops.append(
+                FsOp(pos, kind, of(r["ino"]), offset=r.get("offset", 0), data=r.get("data", b""))
+            )
         elif kind == "rename":
             parents = (of(r["src_parent"]), of(r["parent"]))
             name, src = os.path.basename(r["dst"]), os.path.basename(r["src"])
             ops.append(FsOp(pos, kind, of(r["ino"]), parents, name, src))
         elif kind in ENTRY_KINDS:
-            ops.append(FsOp(pos, kind, of(r["ino"]), (of(r["parent"]),), os.path.basename(r["path"])))
+            ops.append(
+                FsOp(pos, kind, of(r["ino"]), (of(r["parent"]),), os.path.basename(r["path"]))
+            )
     return ops
 
 
@@ -145,7 +149,10 @@ class FsModel:
         digits = [[((i, v),) for v in _options(self.ops[i])] for i in singles]
         if self.model == "ordered" and entries:
             digits.append(
-                [tuple((i, FULL if n < j else ABSENT) for n, i in enumerate(entries)) for j in range(len(entries) + 1)]
+                [
+                    tuple((i, FULL if n < j else ABSENT) for n, i in enumerate(entries))
+                    for j in range(len(entries) + 1)
+                ]
             )
         return pending, digits
 
@@ -190,9 +197,17 @@ class FsModel:
         return out
 
 
-def _apply(op: FsOp, how: int, dirs: dict[int, dict[str, int]], files: dict[int, bytearray]) -> None:
+def _apply(
+    op: FsOp, how: int, dirs: dict[int, dict[str, int]], files: dict[int, bytearray]
+) -> None:
     if op.kind == "write":
-        data = op.data[: len(op.data) // 2] if how == HALF else bytes(len(op.data)) if how == ZEROS else op.data
+        data = (
+            op.data[: len(op.data) // 2]
+            if how == HALF
+            else bytes(len(op.data))
+            if how == ZEROS
+            else op.data
+        )
         buf = files[op.inode]
         if op.offset > len(buf):
             buf.extend(bytes(op.offset - len(buf)))
@@ -210,7 +225,13 @@ def _apply(op: FsOp, how: int, dirs: dict[int, dict[str, int]], files: dict[int,
         del dirs[op.parents[0]][op.name]
 
 
-def _walk(d: int, prefix: str, dirs: dict[int, dict[str, int]], files: dict[int, bytearray], out: dict[str, bytes | None]) -> None:
+def _walk(
+    d: int,
+    prefix: str,
+    dirs: dict[int, dict[str, int]],
+    files: dict[int, bytearray],
+    out: dict[str, bytes | None],
+) -> None:
     for name, inode in sorted(dirs[d].items()):
         path = prefix + name
         if inode in dirs:
@@ -229,7 +250,9 @@ def signature(tree: dict[str, bytes | None]) -> str:
     return h.hexdigest()
 
 
-def object_states(records: Sequence[dict[str, Any]]) -> Iterator[tuple[int, dict[str, bytes | None]]]:
+def object_states(
+    records: Sequence[dict[str, Any]],
+) -> Iterator[tuple[int, dict[str, bytes | None]]]:
     """The ``objects`` model: after each prefix of the completed Storage calls (a recursive
     delete as one call per object), the crash point (the position of the first call left out:
     everything before it had happened) and the tree, directories being the objects' prefixes."""

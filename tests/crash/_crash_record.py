@@ -71,7 +71,9 @@ async def record_single(root: str, log: str) -> Recording:
     ) as mgr:
         for step in (1, 2, 4):
             if step == 4:
-                with open(os.path.join(root, "step_000000000002", "shard_r00000.safetensors"), "rb") as f:
+                with open(
+                    os.path.join(root, "step_000000000002", "shard_r00000.safetensors"), "rb"
+                ) as f:
                     shard = f.read()
                 crashed_save(url, log, 3, shard[: len(shard) // 2])
             await (await mgr.save(step, state_for(step)))

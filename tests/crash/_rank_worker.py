@@ -9,11 +9,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 
-from _crash_record import LEASE_TTL, state_for  # noqa: E402
-from _support.ranks import serve_rank  # noqa: E402
-from aiockpt_crash_recorder import mark  # noqa: E402
+from _crash_record import LEASE_TTL, state_for
+from _support.ranks import serve_rank
+from aiockpt_crash_recorder import mark
 
-from aiockpt import AsyncCheckpointManager, LatestN  # noqa: E402
+from aiockpt import AsyncCheckpointManager, LatestN
 
 
 async def record(rank: int, world: int, root: str, args: dict) -> dict:

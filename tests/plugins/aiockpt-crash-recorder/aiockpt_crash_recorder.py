@@ -37,10 +37,9 @@ import stat
 import threading
 import types
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
-from aiockpt.storage import LocalStorage
-from aiockpt.storage import _local
+from aiockpt.storage import LocalStorage, _local
 
 ENV = "AIOCKPT_CRASH_LOG"
 PROTOCOL = "crashrec"
@@ -56,7 +55,7 @@ def _b64(data: bytes) -> str:
 class Log:
     """An append-only JSON-lines file shared by processes; one per path in a process."""
 
-    _open: dict[str, Log] = {}
+    _open: ClassVar[dict[str, Log]] = {}
     _open_lock = threading.Lock()
 
     def __init__(self, path: str) -> None:
@@ -183,7 +182,7 @@ class _RecordingOs:
         if not any(c in mode for c in "wax+"):
             return builtins.open(file, mode, *args, **kwargs)
         existed = os.path.lexists(file)
-        f = builtins.open(file, mode, *args, **kwargs)
+        f = builtins.open(file, mode, *args, **kwargs)  # noqa: SIM115 - closed by the wrapper
         self._opened(file, f.fileno(), existed, "w" in mode)
         return _RecordedFile(f, self, file)
 
@@ -305,7 +304,13 @@ class RecordingStorage(LocalStorage):
     def _api(self, call: str, path: str, *args: Any, **fields: Any) -> Any:
         with self.log.held():
             result = self._impl[call](path, *args)
-            self._rec.op("api", call=call, path=path, **fields, **({} if result is None else {"result": result}))
+            self._rec.op(
+                "api",
+                call=call,
+                path=path,
+                **fields,
+                **({} if result is None else {"result": result}),
+            )
             return result
 
     def write_file(self, path: str, buffers: Sequence[memoryview]) -> None:
