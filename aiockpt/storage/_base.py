@@ -18,8 +18,9 @@ class Storage(Protocol):
     url: str
 
     def write_file(self, path: str, buffers: Sequence[memoryview]) -> None:
-        """Write the concatenation of ``buffers`` as the whole file, durably, without copying
-        the bytes into one buffer first. A failed write leaves no file behind."""
+        """Write the concatenation of ``buffers`` as the whole file, durably (its bytes and its
+        name), without copying the bytes into one buffer first. A failed write leaves no file
+        behind."""
 
     def put_atomic(self, path: str, data: bytes) -> None:
         """Publish a small file atomically and durably: readers see all of it or nothing."""
@@ -53,7 +54,8 @@ class Storage(Protocol):
         """Make a directory and its parents where the backend has directories."""
 
     def delete(self, path: str, *, recursive: bool = False) -> None:
-        """Remove a file, or a directory and everything under it; missing is not an error."""
+        """Remove a file, or a directory and everything under it, durably where the backend
+        can (done before the call returns); missing is not an error."""
 
     def close(self) -> None:
         """Release connections and caches; the storage is not used after this."""

@@ -72,6 +72,9 @@ class LocalStorage:
                 self._write_buffer(fd, full, buf, offset)
                 offset += len(buf)
             os.fsync(fd)
+            # The file's name too: else a crash may keep a manifest linked after this write
+            # and lose the shard's directory entry (found by tests/crash, POSIX model).
+            _fsync_dir(os.path.dirname(full))
         except OSError as e:
             with contextlib.suppress(OSError):
                 os.unlink(full)
@@ -158,6 +161,9 @@ class LocalStorage:
                 shutil.rmtree(full)
             else:
                 os.unlink(full)
+            # Durable before the caller goes on: deleting a step unlinks its manifest first,
+            # and a crash must never keep the manifest while losing a shard's unlink.
+            _fsync_dir(os.path.dirname(full))
         except FileNotFoundError:
             pass
         except OSError as e:

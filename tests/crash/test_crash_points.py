@@ -25,16 +25,6 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(7200 if FULL else 900)]
 SAMPLED = Budget(per_point=3, opens=3)
 EVERYTHING = Budget(per_point=None, opens=None)
 
-POSIX_BUG = (
-    "found by this checker: under POSIX, a directory entry is durable only once its directory "
-    "is fsynced. (1) The shard's entry is made durable only by the fsync of the step directory "
-    "after the manifest's link, so a crash between that link and that fsync may keep the "
-    "manifest and lose the shard: a listed step that does not load. (2) Retention unlinks the "
-    "manifest and then the shards with no fsync in between (nor after), so a crash may keep the "
-    "manifest and lose the shard of a deleted step, which is then listed and does not load. "
-    "See docs/crash-points.md"
-)
-
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
@@ -66,7 +56,6 @@ def test_the_recorder_sees_every_kind_of_operation(single):
     assert [r["durable"] for r in single.records if "durable" in r] == [1, 2, 4]
 
 
-xfail_posix = pytest.mark.xfail(strict=True, reason=POSIX_BUG)
 FLOORS = {  # crash states checked at least, (sampled, full); see docs/crash-points.md
     ("single", "ordered"): (150, 280),
     ("single", "posix"): (250, 30000),
@@ -77,7 +66,7 @@ FLOORS = {  # crash states checked at least, (sampled, full); see docs/crash-poi
 }
 
 
-@pytest.mark.parametrize("model", ["ordered", pytest.param("posix", marks=xfail_posix), "objects"])
+@pytest.mark.parametrize("model", ["ordered", "posix", "objects"])
 @pytest.mark.parametrize("scenario", ["single", "ranks"])
 async def test_every_crash_state_keeps_the_promises(scenario, model, request, tmp_path):
     rec = request.getfixturevalue("single" if scenario == "single" else "two_ranks")
