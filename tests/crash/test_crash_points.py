@@ -57,11 +57,11 @@ def test_the_recorder_sees_every_kind_of_operation(single):
 
 
 FLOORS = {  # crash states checked at least, (sampled, full); see docs/crash-points.md
-    ("single", "ordered"): (150, 280),
-    ("single", "posix"): (250, 30000),
+    ("single", "ordered"): (150, 230),
+    ("single", "posix"): (250, 2000),
     ("single", "objects"): (15, 15),
     ("ranks", "ordered"): (200, 350),
-    ("ranks", "posix"): (300, 5000),
+    ("ranks", "posix"): (300, 1000),
     ("ranks", "objects"): (20, 20),
 }
 
