@@ -211,9 +211,7 @@ class Reader:
         out_at, size = out_offsets(pos, boxes)
         pooled = slab is not None and slab.size >= size
         if slab is not None and pooled:
-            seg = self.slabs.get(
-                slab.name, slab.size, populate=False
-            )  # the read maps what it fills
+            seg = self.slabs.get(slab.name, slab.size)
         else:
             seg = Segment.create(size, kind="load", populate=False)
             self.load_segments.add(seg.name)

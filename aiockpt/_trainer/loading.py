@@ -124,8 +124,7 @@ class Loader:
             for h in held.values()
         }
         if layout is not None:
-            # Not populated: the daemon's read maps the pages as it fills them (see Slab).
-            slab = await self._pool.acquire(layout.file_size, layout.id, populate=False)
+            slab = await self._pool.acquire(layout.file_size, layout.id)
         try:
             reply = await self._read(
                 step,
