@@ -43,15 +43,14 @@ class Slabs:
         self._segments: dict[str, Segment] = {}
         self._lock = threading.Lock()
 
-    def get(self, name: str, size: int, populate: bool = True) -> Segment:
-        """The slab ``name`` mapped with at least ``size`` bytes (mapped again if it grew);
-        ``populate``: with its pages mapped in at once (see shm.Segment)."""
+    def get(self, name: str, size: int) -> Segment:
+        """The slab ``name`` mapped with at least ``size`` bytes (mapped again if it grew)."""
         with self._lock:
             seg = self._segments.get(name)
             if seg is None or seg.size < size:
                 if seg is not None:
                     seg.close()
-                seg = self._segments[name] = Segment(name, size, create=False, populate=populate)
+                seg = self._segments[name] = Segment.attach(name, size)
             return seg
 
     def forget(self, names: tuple[str, ...]) -> None:

@@ -146,16 +146,14 @@ def make_layout(flat: Flat) -> Layout:
 class Slab:
     """A pooled segment, with views of it cached for the last layout copied in."""
 
-    def __init__(self, size: int, populate: bool = True) -> None:
-        self.seg = Segment.create(size, populate=populate)
+    def __init__(self, size: int) -> None:
+        self.seg = Segment.create(size)
         self.u8 = torch.frombuffer(self.seg.buf, dtype=torch.uint8)
         self.layout_id = 0
         self.views: list[torch.Tensor] = []
         self.plan: tuple[list[Piece], list[Piece]] = ([], [])
         self.pinned = False
-        if (
-            populate and not POPULATES
-        ):  # else the segment's pages are already mapped in (MAP_POPULATE)
+        if not POPULATES:  # else the segment's pages are already mapped in (MAP_POPULATE)
             self.u8.zero_()  # fault every page in now, not during a save's copy
 
     @property
@@ -414,15 +412,14 @@ class SlabPool:
         #: Names of slabs destroyed since the daemon was last told.
         self.forgotten: list[str] = []
 
-    async def acquire(self, size: int, layout_id: int, *, populate: bool = True) -> Slab:
+    async def acquire(self, size: int, layout_id: int) -> Slab:
         """A free slab of at least ``size`` bytes, preferring one last filled with this
-        layout; waits while ``max_pending`` are busy. A new one is made with its pages mapped
-        in unless ``populate`` is False (a load, whose read maps them as it fills them)."""
+        layout; waits while ``max_pending`` are busy."""
         await self._sem.acquire()
         try:
             slab = self._pick(size, layout_id)
             if slab is None:
-                slab = await anyio.to_thread.run_sync(Slab, fmt.align_up(max(size, 1)), populate)
+                slab = await anyio.to_thread.run_sync(Slab, fmt.align_up(max(size, 1)))
         except BaseException:
             self._sem.release()
             raise
