@@ -1,0 +1,340 @@
+"""aiockpt's Storage on Google Cloud Storage, through the session and credentials of gcsfs.
+
+gcsfs gives us credentials (every source google-auth knows), the endpoint (``endpoint_url``
+or ``STORAGE_EMULATOR_HOST``) and its IO event loop (a dedicated thread); the requests are
+ours, against the JSON API:
+
+- every write is ONE multipart upload (``uploadType=multipart``): the object's metadata, with
+  the CRC32C of its bytes, then the bytes, streamed from the caller's buffers. GCS creates the
+  object only when the whole body has arrived and its checksum matches, so a failed write
+  leaves nothing behind, and there is no upload session to clean up (a resumable upload that
+  dies leaves one, and the emulator the tests use shows its bytes as an object meanwhile);
+- ``put_if_absent`` is the same upload with ``ifGenerationMatch=0``: GCS creates the object
+  only if no live generation of it exists, and answers 412 otherwise;
+- reads are ranged GETs (``alt=media``), split into ``part_size`` ranges run ``concurrency``
+  at a time, written straight into the caller's buffer;
+- listings are always fresh ``objects.list`` calls with ``delimiter=/``: GCS lists strongly
+  consistently, and gcsfs's listing cache is never used.
+
+Every request is retried on transient errors (429, 408, 5xx, connection errors, timeouts) with
+bounded, jittered backoff; gcsfs's own retries (six tries, up to a minute) are not used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno as errno_mod
+import json
+import logging
+import uuid
+import warnings
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import fsspec.asyn
+
+from aiockpt.errors import StorageError
+
+from ._client import (
+    BucketClient,
+    GaveUp,
+    ViewsPayload,
+    clear_frames,
+    crc32c_b64,
+    status_of,
+    storage_error,
+)
+from ._options import GCSOptions
+
+__all__ = ["GCSOptions", "GCSStorage", "open_gcs"]
+
+log = logging.getLogger("aiockpt")
+T = TypeVar("T")
+
+
+class GCSStorage:
+    """A checkpoint root ``gs://bucket/prefix``. Methods are blocking and thread-safe."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        import gcsfs  # imported here: the entry point module stays cheap to load
+
+        self.url = url
+        protocol, sep, rest = url.partition("://")
+        if not sep or protocol not in ("gs", "gcs"):
+            raise ValueError(f"not a GCS URL: {url!r}")
+        bucket, _, prefix = rest.partition("/")
+        if not bucket:
+            raise ValueError(f"no bucket in {url!r}")
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.options, fs_options = GCSOptions.split(dict(storage_options or {}))
+        if fs_options.get("asynchronous"):
+            raise ValueError(
+                "storage option 'asynchronous' is not supported: aiockpt owns the loop"
+            )
+        # Our own instance: gcsfs caches instances by arguments, and we close ours.
+        fs_options.setdefault("skip_instance_cache", True)
+        with warnings.catch_warnings():
+            # gcsfs warns when no project is given; one is needed only to list or make buckets.
+            warnings.filterwarnings("ignore", message="GCS project not set")
+            self.fs = gcsfs.GCSFileSystem(**fs_options)
+        self._client = BucketClient(self.fs, bucket, self.options)
+        self._closed = False
+
+    # ----------------------------------------------------------------- plumbing
+
+    def _key(self, path: str) -> str:
+        path = path.strip("/")
+        if self.prefix and path:
+            return f"{self.prefix}/{path}"
+        return self.prefix or path
+
+    def _run(self, op: str, path: str, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run a coroutine on gcsfs's loop thread; any failure becomes a StorageError."""
+        if self._closed:
+            raise StorageError(f"{op} {self._client.where(self._key(path))}: the storage is closed")
+        try:
+            return fsspec.asyn.sync(self.fs.loop, fn, *args)
+        except StorageError:
+            raise
+        except GaveUp as e:
+            err = storage_error(e.op, self._client.where(e.key), self.bucket, e.cause, e.attempts)
+            clear_frames(e)
+            raise err from None
+        except Exception as e:
+            err = storage_error(op, self._client.where(self._key(path)), self.bucket, e, 1)
+            clear_frames(e)
+            raise err from None
+
+    # ----------------------------------------------------------------- writes
+
+    def write_file(self, path: str, buffers: Sequence[memoryview]) -> None:
+        """Write the concatenation of ``buffers`` to ``path``; no view of them is kept."""
+        self._run("write", path, self._write, "write", self._key(path), buffers, False)
+
+    def put_atomic(self, path: str, data: bytes) -> None:
+        """Write ``data`` to ``path``: GCS shows readers all of an object or none of it."""
+        self._run("write", path, self._write, "write", self._key(path), [bytes(data)], False)
+
+    def put_if_absent(self, path: str, data: bytes) -> bool:
+        """Create ``path`` holding ``data`` unless an object is there (False then): one upload
+        with ``ifGenerationMatch=0``, which GCS answers 412 when the object exists."""
+        return bool(self._run("create", path, self._create, self._key(path), bytes(data)))
+
+    async def _create(self, key: str, data: bytes) -> bool:
+        try:
+            await self._write("create", key, [data], True)
+            return True
+        except GaveUp as e:
+            if status_of(e.cause) != 412:
+                raise
+            if e.attempts == 1:
+                return False
+        # A retried upload: its first try may have landed, and then the object is ours.
+        out = bytearray(len(data) + 1)
+        reply = await self._client.call(
+            "create",
+            key,
+            "GET",
+            self._client.object_url(key),
+            params={"alt": "media"},
+            into=memoryview(out),
+        )
+        return bytes(out[: reply.received]) == data
+
+    async def _write(
+        self, op: str, key: str, buffers: Sequence[memoryview | bytes], if_absent: bool
+    ) -> None:
+        views = [memoryview(b).cast("B") for b in buffers]
+        try:
+            meta: dict[str, str] = {"name": key, "contentType": "application/octet-stream"}
+            if self.options.checksum == "crc32c":
+                # crc32c releases the GIL: off the loop thread, other requests go on.
+                loop = asyncio.get_running_loop()
+                meta["crc32c"] = await loop.run_in_executor(None, crc32c_b64, views)
+            boundary = f"aiockpt-{uuid.uuid4().hex}"
+            content_type = f"multipart/related; boundary={boundary}"
+            head = (
+                f"--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n"
+                f"{json.dumps(meta)}\r\n--{boundary}\r\n"
+                "Content-Type: application/octet-stream\r\n\r\n"
+            ).encode()
+            tail = f"\r\n--{boundary}--\r\n".encode()
+            params = {"uploadType": "multipart"}
+            if if_absent:
+                params["ifGenerationMatch"] = "0"
+            await self._client.call(
+                op,
+                key,
+                "POST",
+                self._client.uploads,
+                params=params,
+                headers={"Content-Type": content_type},
+                body=lambda: ViewsPayload([head, *views, tail], content_type),
+            )
+        finally:
+            for v in views:
+                v.release()
+
+    def makedirs(self, path: str) -> None:
+        """GCS has no directories (a name with "/" in it is enough)."""
+
+    def delete(self, path: str, *, recursive: bool = False) -> None:
+        """Delete the object ``path``, or with ``recursive`` also everything under it."""
+        self._run("delete", path, self._delete, self._key(path), recursive)
+
+    async def _delete(self, key: str, recursive: bool) -> None:
+        keys = [key] if key else []
+        if recursive:
+            keys += [k async for k in self._names(key + "/" if key else "", delimited=False)]
+        sem = asyncio.Semaphore(self.options.concurrency)
+
+        async def one(k: str) -> None:
+            async with sem:
+                try:
+                    await self._client.call("delete", k, "DELETE", self._client.object_url(k))
+                except GaveUp as e:
+                    if status_of(e.cause) != 404:  # gone already: a retried delete, or a race
+                        raise
+
+        await _gather_or_cancel([one(k) for k in keys])
+
+    # ----------------------------------------------------------------- reads
+
+    def read_range(self, path: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of ``path``."""
+        if start < 0 or end < start:
+            raise ValueError(f"bad byte range [{start}, {end})")
+        out = bytearray(end - start)
+        self.readinto(path, start, memoryview(out))
+        return bytes(out)
+
+    def readinto(self, path: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with the bytes of ``path`` from ``offset`` on."""
+        view = memoryview(out).cast("B")
+        try:
+            self._run("read", path, self._readinto, self._key(path), offset, view)
+        finally:
+            view.release()
+
+    async def _readinto(self, key: str, offset: int, out: memoryview) -> None:
+        if len(out) == 0:
+            await self._size(key)  # a missing object is still an error
+            return
+        step = self.options.part_size
+        sem = asyncio.Semaphore(self.options.concurrency)
+
+        async def one(lo: int, hi: int) -> None:
+            async with sem:
+                start, end = offset + lo, offset + hi
+                reply = await self._client.call(
+                    "read",
+                    key,
+                    "GET",
+                    self._client.object_url(key),
+                    params={"alt": "media"},
+                    headers={"Range": f"bytes={start}-{end - 1}"},
+                    into=out[lo:hi],
+                )
+                if reply.received != hi - lo:
+                    where = self._client.where(key)
+                    raise StorageError(
+                        f"read {where} failed: the object ends before byte {end}",
+                        path=where,
+                        errno=errno_mod.EIO,
+                    )
+
+        await _gather_or_cancel(
+            [one(lo, min(lo + step, len(out))) for lo in range(0, len(out), step)]
+        )
+
+    def size(self, path: str) -> int:
+        """The size of the object ``path`` in bytes."""
+        return self._run("stat", path, self._size, self._key(path))
+
+    async def _size(self, key: str) -> int:
+        reply = await self._client.call("stat", key, "GET", self._client.object_url(key))
+        return int(json.loads(reply.body)["size"])
+
+    def exists(self, path: str) -> bool:
+        """Whether ``path`` is an object, or a "directory" with something under it."""
+        return self._run("stat", path, self._exists, self._key(path))
+
+    async def _exists(self, key: str) -> bool:
+        if key:
+            try:
+                await self._client.call("stat", key, "GET", self._client.object_url(key))
+                return True
+            except GaveUp as e:
+                if status_of(e.cause) != 404:
+                    raise
+        # Not an object: a "directory" exists when something lies under it. The listing also
+        # tells a missing bucket (404) from a missing object.
+        async for _ in self._names(key + "/" if key else "", delimited=False, limit=1):
+            return True
+        return False
+
+    def list_dir(self, path: str) -> list[str]:
+        """The names directly under ``path``, objects and "directories", sorted."""
+        # Always a fresh listing: another process (another rank's daemon) may have written.
+        return self._run("list", path, self._list_dir, self._key(path))
+
+    async def _list_dir(self, key: str) -> list[str]:
+        prefix = key + "/" if key else ""
+        names = {n[len(prefix) :].rstrip("/") async for n in self._names(prefix, delimited=True)}
+        names.discard("")
+        return sorted(names)
+
+    async def _names(self, prefix: str, *, delimited: bool, limit: int = 1000) -> Any:
+        """Object names under ``prefix`` (and "directory" prefixes, when ``delimited``)."""
+        params = {"prefix": prefix, "maxResults": str(limit)}
+        if delimited:
+            params["delimiter"] = "/"
+        while True:
+            reply = await self._client.call(
+                "list", prefix, "GET", self._client.objects, params=params
+            )
+            page = json.loads(reply.body)
+            for p in page.get("prefixes") or []:
+                yield p
+            for item in page.get("items") or []:
+                yield item["name"]
+            token = page.get("nextPageToken")
+            if not token:
+                return
+            params["pageToken"] = token
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def close(self) -> None:
+        """Close the HTTP session; the storage is not used after this."""
+        if self._closed:
+            return
+        self._closed = True
+        session = getattr(self.fs, "_session", None)
+        if session is not None and not session.closed:
+            with contextlib.suppress(Exception):
+                fsspec.asyn.sync(self.fs.loop, session.close, timeout=10)
+        self.fs._session = None
+
+
+async def _gather_or_cancel(coros: list[Awaitable[None]]) -> None:
+    """Run ``coros`` together; the first failure cancels the rest and is raised."""
+    if not coros:
+        return
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.wait(tasks)
+    for t in tasks:
+        if not t.cancelled() and t.exception() is not None:
+            raise t.exception()  # type: ignore[misc]
+
+
+def open_gcs(url: str, storage_options: dict[str, Any]) -> GCSStorage:
+    """The ``aiockpt.storage`` entry point for ``gs://`` and ``gcs://``."""
+    return GCSStorage(url, storage_options)

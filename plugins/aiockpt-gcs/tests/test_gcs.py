@@ -1,0 +1,234 @@
+"""The GCS plugin against a real GCS server (fake-gcs-server on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _gcsserver import GCSServer, Relay
+
+import aiockpt_gcs
+from aiockpt import AsyncCheckpointManager
+from aiockpt.errors import LeaseLostError, RootLockedError, StorageError
+from aiockpt.retention import LatestN
+from aiockpt.storage import open_storage
+from aiockpt.storage.testing import StorageContract
+
+MiB = 1024 * 1024
+# Small read parts so a few MiB make split, concurrent reads; fast retries so failures are quick.
+FAST = {"part_size": 4 * MiB, "backoff": 0.02, "retries": 2}
+
+
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GCSServer]:
+    server = GCSServer(tmp_path_factory.mktemp("gcs"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def bucket(gcs: GCSServer) -> str:
+    return gcs.new_bucket()
+
+
+class TestGCSContract(StorageContract):
+    """A root under a prefix of the bucket."""
+
+    large_size = 11 * MiB + 123  # three read parts of 4 MiB
+
+    @pytest.fixture
+    def storage_factory(self, gcs: GCSServer, bucket: str):
+        return lambda: open_storage(f"gs://{bucket}/run", gcs.options(**FAST))
+
+
+class TestGCSBucketRoot(StorageContract):
+    """A root at the bucket itself, through the other protocol name."""
+
+    large_size = 5 * MiB
+
+    @pytest.fixture
+    def storage_factory(self, gcs: GCSServer, bucket: str):
+        return lambda: open_storage(f"gcs://{bucket}", gcs.options(**FAST))
+
+
+# ------------------------------------------------------------------- the plugin
+
+
+def test_gs_opens_the_plugin(gcs: GCSServer, bucket: str) -> None:
+    storage = open_storage(f"gs://{bucket}/a/b", gcs.options())
+    try:
+        assert isinstance(storage, aiockpt_gcs.GCSStorage)
+        assert (storage.bucket, storage.prefix) == (bucket, "a/b")
+        assert storage.options == aiockpt_gcs.GCSOptions()  # sensible defaults
+    finally:
+        storage.close()
+
+
+def test_bad_options_are_refused(gcs: GCSServer) -> None:
+    with pytest.raises(ValueError, match="part_size"):
+        open_storage("gs://b/x", gcs.options(part_size=1024))
+    with pytest.raises(ValueError, match="concurrency"):
+        open_storage("gs://b/x", gcs.options(concurrency=0))
+    with pytest.raises(ValueError, match="checksum"):
+        open_storage("gs://b/x", gcs.options(checksum="md5"))
+    with pytest.raises(ValueError, match="no bucket"):
+        open_storage("gs:///x", gcs.options())
+
+
+@pytest.mark.parametrize("checksum", ["crc32c", None])
+def test_writes_land_whole(gcs: GCSServer, bucket: str, checksum: str | None) -> None:
+    storage = open_storage(f"gs://{bucket}/run", gcs.options(**FAST, checksum=checksum))
+    try:
+        pieces = [bytes(range(256)) * 4096, b"", b"tail"]  # 1 MiB and a bit, in three buffers
+        storage.write_file("step_1/shard.bin", [memoryview(p) for p in pieces])
+    finally:
+        storage.close()
+    assert gcs.read(bucket, "run/step_1/shard.bin") == b"".join(pieces)
+
+
+def test_missing_bucket_is_named(gcs: GCSServer) -> None:
+    storage = open_storage("gs://no-such-bucket-here/run", gcs.options(**FAST))
+    try:
+        for call in (
+            lambda: storage.list_dir(""),
+            lambda: storage.exists("step/manifest.json"),
+            lambda: storage.write_file("x", [memoryview(b"x")]),
+            lambda: storage.put_if_absent("x", b"x"),
+        ):
+            with pytest.raises(StorageError) as info:
+                call()
+            assert "the bucket 'no-such-bucket-here' does not exist" in str(info.value)
+            assert info.value.errno == errno.ENOENT
+    finally:
+        storage.close()
+
+
+def test_connection_resets_are_retried(gcs: GCSServer, bucket: str) -> None:
+    relay = Relay(gcs.port)
+    options = gcs.options(relay.endpoint, **{**FAST, "retries": 4})
+    storage = open_storage(f"gs://{bucket}/run", options)
+    try:
+        data = bytes(range(256)) * (24 * 1024)  # 6 MiB: two read parts
+        relay.reset_next(3)
+        storage.write_file("retried.bin", [memoryview(data)])
+        relay.reset_next(3)
+        assert storage.read_range("retried.bin", 0, len(data)) == data
+        relay.reset_next(3)
+        assert storage.list_dir("") == ["retried.bin"]
+    finally:
+        storage.close()
+        relay.close()
+
+
+def test_retries_are_bounded_and_a_failed_write_leaves_nothing(gcs: GCSServer, bucket: str) -> None:
+    relay = Relay(gcs.port)
+    storage = open_storage(f"gs://{bucket}/run", gcs.options(relay.endpoint, **FAST))
+    try:
+        buf = bytearray(6 * MiB)
+        view = memoryview(buf)
+        relay.reset_next(1000)
+        with pytest.raises(StorageError) as info:
+            storage.write_file("step_1/shard.bin", [view])
+        view.release()
+        buf.append(0)  # no view of the buffer outlives the failed write
+    finally:
+        storage.close()
+        relay.close()
+    assert f"gs://{bucket}/run/step_1/shard.bin" in str(info.value)
+    assert "after 3 attempts" in str(info.value)
+    assert gcs.names(bucket) == []
+
+
+# ------------------------------------------------------------------- the manager on GCS
+
+
+def _state(n: int, seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(n, generator=g), "b": torch.arange(7), "step_info": {"lr": 0.1}}
+
+
+@pytest.mark.anyio
+async def test_manager_save_load_retention_on_gcs(gcs: GCSServer, bucket: str) -> None:
+    options = gcs.options(**FAST)
+    async with AsyncCheckpointManager(
+        f"gs://{bucket}/run", storage_options=options, retention=LatestN(2)
+    ) as mgr:
+        for step in (1, 2, 3):
+            await (await mgr.save(step, _state(2 * MiB, step)))  # 8 MiB: two read parts
+        assert await mgr.steps() == [2, 3]
+        loaded = await mgr.load(3)
+        expected = _state(2 * MiB, 3)
+        assert torch.equal(loaded["w"], expected["w"])
+        assert torch.equal(loaded["b"], expected["b"])
+        assert loaded["step_info"] == {"lr": 0.1}
+        part = await mgr.load(2, keys=["w"])
+        assert torch.equal(part["w"], _state(2 * MiB, 2)["w"])
+    names = gcs.names(bucket)
+    manifests = [n for n in names if n.endswith("/manifest.json")]
+    assert manifests == [
+        "run/step_000000000002/manifest.json",
+        "run/step_000000000003/manifest.json",
+    ]
+    # step 1 is uncommitted; what is left of it is only the shard later steps read from
+    # (incremental checkpoints keep unchanged tensors where they were written)
+    assert {n.split("/")[1] for n in names} <= {
+        "_lease",
+        "step_000000000001",
+        "step_000000000002",
+        "step_000000000003",
+    }
+
+
+@pytest.mark.anyio
+async def test_one_writer_per_gcs_root(gcs: GCSServer, bucket: str) -> None:
+    """The lease on GCS: a second manager is refused naming the first; with takeover it goes
+    on, and the first's next save fails with LeaseLostError and commits nothing."""
+    url, options = f"gs://{bucket}/run", gcs.options(**FAST)
+    async with AsyncCheckpointManager(url, storage_options=options) as first:
+        await (await first.save(1, _state(1024, 1)))
+        with pytest.raises(RootLockedError, match="is leased by another writer") as info:
+            async with AsyncCheckpointManager(url, storage_options=options):
+                pass
+        assert info.value.holder is not None
+        assert info.value.holder["generation"] == 1
+        async with AsyncCheckpointManager(url, storage_options=options, takeover=True) as second:
+            with pytest.raises(LeaseLostError):
+                await (await first.save(2, _state(1024, 2)))
+            await (await second.save(3, _state(1024, 3)))
+            assert await second.steps() == [1, 3]
+    names = gcs.names(bucket)
+    assert not [n for n in names if n.startswith("run/step_000000000002")]
+    assert {n for n in names if n.startswith("run/_lease/")} == {
+        "run/_lease/g000000000001.json",
+        "run/_lease/g000000000002.json",
+    }
+
+
+@pytest.mark.anyio
+async def test_server_killed_in_the_middle_of_an_upload(tmp_path: Path) -> None:
+    """The server dies (SIGKILL) while a shard is on its way: the save fails naming the shard
+    after bounded retries, and once the server is back with what it had stored, no object of
+    the failed save exists and the next save commits."""
+    server = GCSServer(tmp_path / "gcs")
+    relay = Relay(server.port)
+    try:
+        bucket = server.new_bucket()
+        options = server.options(relay.endpoint, **FAST)
+        async with AsyncCheckpointManager(f"gs://{bucket}/run", storage_options=options) as mgr:
+            relay.trip(4 * MiB, server.kill)  # 4 MiB into the 16 MiB shard: the server dies
+            handle = await mgr.save(1, _state(4 * MiB, 1))
+            with pytest.raises(StorageError) as info:
+                await handle
+            assert "step_000000000001/shard_r00000.safetensors" in str(info.value)
+            assert "after 3 attempts" in str(info.value)
+            server.start()
+            assert not [n for n in server.names(bucket) if "step_000000000001" in n]
+            await (await mgr.save(2, _state(4 * MiB, 2)))
+            assert await mgr.steps() == [2]
+    finally:
+        relay.close()
+        server.stop()
