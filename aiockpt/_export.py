@@ -32,13 +32,13 @@ from typing import Any, cast
 import crc32c
 
 from ._core import format as fmt
+from ._core.blocks import ShardMap
 from ._core.catalog import Catalog
 from ._core.chunks import Chunk
 from ._core.dtable import ChunkRecord, DTensorRecord
 from ._core.tree import DTENSOR, TENSOR, walk
 from ._daemon.reshard import Assembler
 from .errors import CorruptCheckpointError
-from .storage import Storage
 
 __all__ = [
     "INDEX",
@@ -222,8 +222,8 @@ class Source:
         self.catalog = catalog
         self.m = m
         self.dir = fmt.step_dirname(m.step)
-        self.sizes = {s.file: s.nbytes for s in m.shards}
-        self.checked: set[str] = set()
+        self.shards = {s.file: s for s in m.shards}
+        self.maps: dict[str, ShardMap] = {}
         self.assembler = Assembler(self.read, pool, m.block_bytes, self.where)
 
     def where(self, shard: str) -> str:
@@ -233,17 +233,18 @@ class Source:
     def read(self, shard: str, offset: int, out: memoryview) -> None:
         """Fill ``out`` from ``shard`` at ``offset``, once the shard is known to be there at
         the size the manifest says."""
-        path = f"{self.dir}/{shard}"
-        if shard not in self.checked:
-            actual = self.catalog.storage.size(path)
-            if actual != self.sizes[shard]:
+        smap = self.maps.get(shard)
+        if smap is None:
+            record = self.shards[shard]
+            actual = self.catalog.storage.size(f"{self.dir}/{shard}")
+            if actual != record.file_size:
                 raise CorruptCheckpointError(
                     f"{self.where(shard)}: {actual} bytes on storage, the manifest says "
-                    f"{self.sizes[shard]}",
+                    f"{record.file_size}",
                     path=self.where(shard),
                 )
-            self.checked.add(shard)
-        self.catalog.storage.readinto(path, offset, out)
+            smap = self.maps[shard] = self.catalog.shard_map(self.m.step, record)
+        smap.readinto(self.catalog.storage, offset, out)
 
     def fill(self, item: Item, out: memoryview) -> None:
         """The whole of ``item`` into ``out``, checked against its crcs."""
@@ -466,24 +467,6 @@ class ChunkBlocks:
         return problems
 
 
-class _Tee:
-    """A storage that hands every byte read from one file to ``sink`` as well."""
-
-    def __init__(self, storage: Storage, path: str, sink: Callable[[int, memoryview], None]):
-        self._storage = storage
-        self._path = path
-        self._sink = sink
-        self.url = storage.url
-
-    def readinto(self, path: str, offset: int, out: memoryview) -> None:
-        self._storage.readinto(path, offset, out)
-        if path == self._path:
-            self._sink(offset, out)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._storage, name)
-
-
 def verify_shard(
     catalog: Catalog,
     m: fmt.Manifest,
@@ -501,6 +484,5 @@ def verify_shard(
         return catalog.verify_shard(m.step, shard, records, progress)
     path = f"{fmt.step_dirname(m.step)}/{shard.file}"
     blocks = ChunkBlocks(chunks, m.block_bytes)
-    tee = Catalog(cast(Storage, _Tee(catalog.storage, path, blocks.update)))
-    problems = tee.verify_shard(m.step, shard, records, progress)
+    problems = catalog.verify_shard(m.step, shard, records, progress, sink=blocks.update)
     return problems + [f"{path}: {p}" for p in blocks.mismatches()]

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, TextIO
 
-from . import __version__, _export
+from . import __version__, _copy, _export
 from ._core import format as fmt
 from ._core.catalog import Catalog
 from ._core.lease import read_current
@@ -249,33 +249,60 @@ def cmd_ls(args: argparse.Namespace) -> int:
             if m is None:
                 record["error"] = e.error
             else:
-                record.update(created_at=m.created_at, nbytes=m.nbytes, metrics=m.metrics)
+                record.update(
+                    created_at=m.created_at,
+                    nbytes=m.nbytes,
+                    written_nbytes=m.stored_nbytes,
+                    referenced_nbytes=m.referenced_nbytes,
+                    metrics=m.metrics,
+                )
             out.write(json.dumps(record, ensure_ascii=False) + "\n")
         return 0
-    rows = [["STEP", "COMMITTED", "SIZE", "METRICS"]]
+    rows = [["STEP", "COMMITTED", "SIZE", "WRITTEN", "REFERENCED", "METRICS"]]
     for e in root.committed:
         m = e.manifest
         if m is None:
-            rows.append([str(e.step), "?", "?", "unreadable manifest (aiockpt verify says why)"])
+            unreadable = "unreadable manifest (aiockpt verify says why)"
+            rows.append([str(e.step), "?", "?", "?", "?", unreadable])
         else:
             rows.append(
                 [
                     str(e.step),
                     format_time(m.created_at),
                     human_bytes(m.nbytes),
+                    human_bytes(m.stored_nbytes),
+                    human_bytes(m.referenced_nbytes),
                     format_metrics(m.metrics),
                 ]
             )
-    table(rows, out, right=(0, 2))
-    total = sum(e.manifest.nbytes for e in root.committed if e.manifest is not None)
-    note = f"{plural(len(root.committed), 'checkpoint')}, {human_bytes(total)}"
-    if root.partials:
-        note += (
-            f"; {plural(len(root.partials), 'partial step dir')} not listed "
-            f"({', '.join(map(str, root.partials))}; aiockpt prune removes them)"
-        )
-    print(note, file=sys.stderr)
+    table(rows, out, right=(0, 2, 3, 4))
+    print(ls_note(root), file=sys.stderr)
     return 0
+
+
+def ls_note(root: Root) -> str:
+    """What ``ls`` says below its table: the sizes, and the step directories it did not list
+    (retired ones, kept for the bytes later steps read from them, and partial saves)."""
+    manifests = [e.manifest for e in root.committed if e.manifest is not None]
+    total = sum(m.nbytes for m in manifests)
+    written = sum(m.stored_nbytes for m in manifests)
+    note = f"{plural(len(root.committed), 'checkpoint')}, {human_bytes(total)}"
+    if written != total:
+        note += f" ({human_bytes(written)} written by them)"
+    refs = {path.split("/", 1)[0] for m in manifests for path in m.referenced_files()}
+    retired = [s for s in root.partials if fmt.step_dirname(s) in refs]
+    partials = [s for s in root.partials if s not in retired]
+    if retired:
+        note += (
+            f"; {plural(len(retired), 'retired step dir')} kept for the bytes later steps "
+            f"read from them ({', '.join(map(str, retired))})"
+        )
+    if partials:
+        note += (
+            f"; {plural(len(partials), 'partial step dir')} not listed "
+            f"({', '.join(map(str, partials))}; aiockpt prune removes them)"
+        )
+    return note
 
 
 #: Without ``--all``, ``show`` lists this many rows of each table ...
@@ -351,6 +378,14 @@ def cmd_show(args: argparse.Namespace) -> int:
         f"world size {m.world_size}\n"
     )
     out.write(f"url       {root.where(entry.dirname)}\n")
+    refs = m.referenced_files()
+    if refs:
+        steps = sorted({int(path[5:17]) for path in refs})
+        out.write(
+            f"stored    {human_bytes(m.stored_nbytes)} written by this step, "
+            f"{human_bytes(m.referenced_nbytes)} read from {plural(len(refs), 'file')} of "
+            f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}\n"
+        )
     if m.metrics:
         out.write(f"metrics   {format_metrics(m.metrics)}\n")
     if m.metadata:
@@ -369,6 +404,9 @@ def show_record(url: str, m: fmt.Manifest, views: Sequence[RankView]) -> dict[st
         "created_at": m.created_at,
         "world_size": m.world_size,
         "nbytes": m.nbytes,
+        "written_nbytes": m.stored_nbytes,
+        "referenced_nbytes": m.referenced_nbytes,
+        "referenced_files": sorted(m.referenced_files()),
         "url": url,
         "metrics": m.metrics,
         "metadata": m.metadata,
@@ -553,6 +591,27 @@ def cmd_export(args: argparse.Namespace) -> int:
     print(
         f"wrote {plural(done.tensors, 'tensor')} ({human_bytes(done.nbytes)}){files} to {args.out}"
     )
+    return 0
+
+
+def cmd_copy(args: argparse.Namespace) -> int:
+    """``aiockpt copy``: one checkpoint, self-contained (no block refers to another step), into
+    another root (see _copy)."""
+    root = scan(open_root(args.root, args.storage_options), args.root, steps=[args.step])
+    require_checkpoints(root)
+    entry = require_step(root, args.step)
+    if entry.manifest is None:
+        print(f"aiockpt: {entry.error}", file=sys.stderr)
+        return 1
+    dest = open_root(args.dest, dict(args.dest_options))
+    progress = Progress(entry.manifest.nbytes, sys.stderr)
+    try:
+        nbytes = _copy.copy_step(
+            root.catalog, entry.manifest, dest, lambda n: progress.advance(n, "copy")
+        )
+    finally:
+        progress.close()
+    print(f"copied step {args.step} ({human_bytes(nbytes)}) to {args.dest}")
     return 0
 
 
@@ -753,7 +812,7 @@ def build_parser() -> tuple[Parser, dict[str, Parser]]:
     )
     parser = Parser(
         prog="aiockpt",
-        description="Inspect, verify and prune aiockpt checkpoint roots.",
+        description="Inspect, verify, export, copy and prune aiockpt checkpoint roots.",
         epilog="Exit codes: 0 ok, 1 corruption or a storage failure, 2 a usage mistake.",
     )
     parser.add_argument("--version", action="version", version=f"aiockpt {__version__}")
@@ -780,6 +839,27 @@ def build_parser() -> tuple[Parser, dict[str, Parser]]:
             "layout.",
         )
     )
+
+    p = sub.add_parser(
+        "copy",
+        parents=[common],
+        help="copy one checkpoint to another root, self-contained",
+        description="Copy step STEP of ROOT to the root DEST (any URL) as a self-contained "
+        "checkpoint: every byte it refers to in earlier steps is copied into its own shards, "
+        "every checksum checked on the way.",
+    )
+    p.add_argument("step", metavar="STEP", type=step_arg, help="the step to copy")
+    p.add_argument("dest", metavar="DEST", help="the root to copy into: a path or a URL")
+    p.add_argument(
+        "--dest-option",
+        dest="dest_options",
+        metavar="KEY=VALUE",
+        type=storage_option,
+        action="append",
+        default=[],
+        help="a storage option of DEST (as -o is of ROOT); repeatable",
+    )
+    p.set_defaults(func=cmd_copy)
 
     add_prune(
         sub.add_parser(

@@ -99,6 +99,9 @@ class Event:
     nbytes: int | None = None
     #: On ``load.end``: the bytes this rank's load read from storage.
     read_nbytes: int | None = None
+    #: On ``save.written``: the bytes this rank wrote, less than ``nbytes`` when blocks that a
+    #: kept checkpoint already holds were referred to instead (deduplication).
+    written_nbytes: int | None = None
     where: str = "trainer"
     error: dict[str, str] | None = None
     #: On ``lease.*``: the generation of the root's lease this manager holds.
@@ -239,6 +242,7 @@ class EventDispatcher:
         read_nbytes: int | None = None,
         generation: int | None = None,
         detail: str | None = None,
+        written_nbytes: int | None = None,
     ) -> Event:
         if name not in EVENT_NAMES:
             raise ValueError(f"unknown event name {name!r}")
@@ -265,6 +269,7 @@ class EventDispatcher:
             duration_s=duration_s,
             nbytes=nbytes,
             read_nbytes=read_nbytes,
+            written_nbytes=written_nbytes,
             where=where,
             error=error,
             generation=generation,
@@ -325,7 +330,15 @@ def _log(event: Event) -> None:
     if not logger.isEnabledFor(level):
         return
     parts = [event.name]
-    for key in ("step", "uuid", "duration_s", "nbytes", "read_nbytes", "generation"):
+    for key in (
+        "step",
+        "uuid",
+        "duration_s",
+        "nbytes",
+        "read_nbytes",
+        "written_nbytes",
+        "generation",
+    ):
         value = getattr(event, key)
         if value is not None:
             parts.append(f"{key}={value:.6f}" if key == "duration_s" else f"{key}={value}")

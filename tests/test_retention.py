@@ -1,16 +1,15 @@
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from multiprocessing import Pipe
 from pathlib import Path
 
 import pytest
 import torch
+from _support.daemon import daemon_in_process
 from _support.roots import make_partial
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,8 +17,7 @@ from hypothesis import strategies as st
 from aiockpt import AsyncCheckpointManager
 from aiockpt._core import format as fmt
 from aiockpt._core.lease import LEASE_DIR
-from aiockpt._core.protocol import Hello, LoadReq, RecordsReq, StepsReq
-from aiockpt._daemon.server import Daemon, PipeEnd
+from aiockpt._core.protocol import LoadReq, RecordsReq, StepsReq
 from aiockpt.errors import CheckpointError, CheckpointNotFoundError, StorageError
 from aiockpt.retention import (
     AnyOf,
@@ -538,22 +536,6 @@ async def test_a_save_overwrites_a_stale_partial_of_its_step(root):
 
 
 # --------------------------------------------------------------------------- interrupted deletion
-
-
-@contextlib.contextmanager
-def daemon_in_process(
-    root: str, policy: RetentionPolicy, storage: LocalStorage
-) -> Iterator[Daemon]:
-    """The daemon's code run in this process over ``storage``, for a test to drive it."""
-    parent, child = Pipe()
-    hello = Hello(url=root, storage_options={}, retention=policy)
-    daemon = Daemon(PipeEnd(child), hello, storage=storage)
-    try:
-        yield daemon
-    finally:
-        daemon.close()
-        parent.close()
-        child.close()
 
 
 class DeletionInterrupted(LocalStorage):

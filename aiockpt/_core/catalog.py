@@ -20,6 +20,7 @@ from ..errors import CheckpointError, CorruptCheckpointError
 from ..retention import CheckpointRecord, collectable_partials
 from ..storage import Storage
 from . import format as fmt
+from .blocks import ShardMap
 
 __all__ = ["MAX_MANIFEST_BYTES", "VERIFY_CHUNK", "Catalog", "ShardCrcs"]
 
@@ -39,6 +40,8 @@ class Catalog:
 
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
+        #: The files of other steps each committed step reads from (manifests never change).
+        self._refs: dict[int, frozenset[str]] = {}
 
     def where(self, path: str = "") -> str:
         """The URL of ``path`` under the root (of the root itself when empty)."""
@@ -85,10 +88,16 @@ class Catalog:
         data, where = self.manifest_bytes(step)
         return fmt.parse_manifest(data, path=where, step=step, lazy=lazy)
 
+    def shard_map(self, step: int, shard: fmt.ShardRecord) -> ShardMap:
+        """Where the bytes of one shard of ``step`` are: its own file, and the files of other
+        steps its block table refers to."""
+        return ShardMap(fmt.step_dirname(step), shard.file, shard.nbytes, shard.blocks, self.where)
+
     def read_record(self, step: int) -> CheckpointRecord:
         """The step's commit time and metrics, without checking the rest of its manifest."""
         data, where = self.manifest_bytes(step)
-        created_at, metrics = fmt.parse_manifest_record(data, path=where, step=step)
+        created_at, metrics, refs = fmt.parse_manifest_record(data, path=where, step=step)
+        self._refs[step] = refs
         return CheckpointRecord(step, created_at, dict(metrics))
 
     def records(self, steps: Iterable[int] | None = None) -> list[CheckpointRecord]:
@@ -111,25 +120,91 @@ class Catalog:
     def delete_step(self, step: int, *, uncommitted: Callable[[int], None] | None = None) -> None:
         """Delete a committed step, its manifest first: a deletion cut short leaves a partial
         step directory, never a committed step with missing shards. ``uncommitted`` is called
-        once the step is no longer committed, before its files go."""
+        once the step is no longer committed, before its files go.
+
+        Files that a committed step still reads from (incremental checkpoints) stay, in a
+        *retired* directory; the retired files this step was the last to read from go."""
+        refs = self._step_refs(step)
         self.storage.delete(manifest_path(step))
+        self._refs.pop(step, None)
         if uncommitted is not None:
             uncommitted(step)
-        self.remove(step)
+        self.sweep(step)
+        for old in sorted({path.split("/", 1)[0] for path in refs or ()}):
+            old_step = fmt.parse_step_dirname(old)
+            if old_step is not None and not self.is_committed(old_step):
+                self.sweep(old_step)
+
+    def note_refs(self, step: int, refs: Iterable[str]) -> None:
+        """What a writer knows of the step it just committed: the files its blocks refer to."""
+        self._refs[step] = frozenset(refs)
+
+    def _step_refs(self, step: int) -> frozenset[str] | None:
+        """The files of other steps a committed step reads from; None when its manifest
+        cannot be read."""
+        if step not in self._refs:
+            try:
+                self.read_record(step)  # keeps its references
+            except CheckpointError:
+                return None
+        return self._refs[step]
+
+    def referenced(self) -> frozenset[str] | None:
+        """Every file (a path relative to the root) that a committed step reads from another
+        step's directory; None when a committed manifest cannot be read, so that no file is
+        known to be unreferenced."""
+        refs: set[str] = set()
+        for step in self.committed_steps():
+            known = self._step_refs(step)
+            if known is None:
+                if self.is_committed(step):
+                    return None
+                continue  # deleted meanwhile: it reads from nothing now
+            refs |= known
+        return frozenset(refs)
+
+    def sweep(self, step: int) -> bool:
+        """Remove what a step directory without a manifest holds, except the files a
+        committed step reads from; whether the directory is gone. When a committed manifest
+        cannot be read, every file stays (it may be unreadable only for now)."""
+        refs = self.referenced()
+        if refs is None:
+            return False
+        dirname = fmt.step_dirname(step)
+        kept = {path for path in refs if path.startswith(dirname + "/")}
+        if not kept:
+            self.remove(step)
+            return True
+        for name in self.storage.list_dir(dirname):
+            if f"{dirname}/{name}" not in kept:
+                self.storage.delete(f"{dirname}/{name}", recursive=True)
+        return False
+
+    def retired(self) -> dict[int, list[str]]:
+        """The step directories without a manifest that hold files a committed step reads
+        from (the data of deleted steps, kept for later ones), with those files."""
+        refs = self.referenced() or frozenset()
+        out: dict[int, list[str]] = {}
+        for path in sorted(refs):
+            step = fmt.parse_step_dirname(path.split("/", 1)[0])
+            if step is not None and not self.is_committed(step):
+                out.setdefault(step, []).append(path)
+        return out
 
     def collect_partials(
         self, busy: Callable[[], Collection[int]] = frozenset, *, everything: bool = False
     ) -> list[int]:
         """Remove the partial step directories that no save can still be writing (see
-        :func:`~aiockpt.retention.collectable_partials`); the steps removed, ascending.
+        :func:`~aiockpt.retention.collectable_partials`), but for the files a committed step
+        reads from (see :meth:`sweep`); the steps whose directories are gone, ascending.
 
         ``busy`` gives the steps being saved. It is asked after the listing, so a save that
         starts in between is seen as busy rather than its directory as dead."""
         step_dirs = self.step_dirs()
         removed = []
         for step in collectable_partials(step_dirs, busy(), everything=everything):
-            self.remove(step)
-            removed.append(step)
+            if self.sweep(step):
+                removed.append(step)
         return removed
 
     # ----------------------------------------------------------------- verifying
@@ -142,32 +217,40 @@ class Catalog:
         progress: Callable[[int], None] = lambda nbytes: None,
         *,
         chunk: int = VERIFY_CHUNK,
+        sink: Callable[[int, memoryview], None] | None = None,
     ) -> list[str]:
-        """Problems with one shard of a step: missing, wrong size, unreadable, or a failed
-        whole-file or tensor crc32c. It is read in pieces of ``chunk`` bytes, and
-        ``progress`` is told how many bytes each piece covered (all ``shard.nbytes`` in the
-        end, whatever is found)."""
+        """Problems with one shard of a step: missing, wrong size, unreadable (its own file
+        or a file its blocks refer to), or a failed whole-file or tensor crc32c. It is read
+        in pieces of ``chunk`` bytes, each handed to ``sink`` too (its offset in the shard,
+        its bytes), and ``progress`` is told how many bytes each piece covered (all
+        ``shard.nbytes`` in the end, whatever is found)."""
         path = f"{fmt.step_dirname(step)}/{shard.file}"
         try:
             size = self.storage.size(path)
         except CheckpointError:
             return [f"{path}: missing"]
-        if size != shard.nbytes:
+        if size != shard.file_size:
             progress(shard.nbytes)
-            return [f"{path}: {size} bytes, the manifest says {shard.nbytes}"]
+            return [f"{path}: {size} bytes, the manifest says {shard.file_size}"]
+        smap = self.shard_map(step, shard)
         crcs = ShardCrcs(records)
         buf = bytearray(min(chunk, max(shard.nbytes, 1)))
         for lo in range(0, shard.nbytes, chunk):
             hi = min(lo + chunk, shard.nbytes)
             view = memoryview(buf)[: hi - lo]
             try:
-                self.storage.readinto(path, lo, view)
+                smap.readinto(self.storage, lo, view)
             except CheckpointError as e:
                 progress(shard.nbytes - lo)
                 return [f"{path}: unreadable: {e}"]
             crcs.update(lo, view)
+            if sink is not None:
+                sink(lo, view)
             progress(hi - lo)
-        return [f"{path}: {problem}" for problem in crcs.mismatches(shard.crc32c)]
+        problems = crcs.mismatches(shard.crc32c)
+        if problems and shard.referenced_nbytes:
+            problems.append(f"its bytes are in {smap.describe(0, shard.nbytes)}")
+        return [f"{path}: {problem}" for problem in problems]
 
 
 class ShardCrcs:

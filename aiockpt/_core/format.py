@@ -1,4 +1,4 @@
-"""The on-disk format (versions 1 and 2): names, shard header, manifest and its validation.
+"""The on-disk format (versions 1 to 3): names, shard header, manifest and its validation.
 
 Everything read back from storage is untrusted: :func:`parse_manifest` and :func:`parse_header`
 check every field before a byte range is used. This module imports neither torch nor fsspec, so
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CorruptCheckpointError
+from .blocks import Block, in_order, is_block_source, parse_blocks
 from .dtable import BLOCK_BYTES, DTensorRecord, parse_dtensors
 from .dtypes import DTYPE_SIZES as DTYPE_SIZES
 from .gc import no_gc
@@ -32,7 +33,11 @@ VERSION = 1
 #: nodes), numpy values or torch generators (tree.V2_TAGS); a version-1 reader refuses it by
 #: its version.
 DTENSOR_VERSION = 2
-VERSIONS = (VERSION, DTENSOR_VERSION)
+#: The version of a checkpoint some of whose shard bytes are stored elsewhere than in the
+#: shard's own file, or out of order in it (a block table, see blocks.py); a reader of
+#: versions 1-2 refuses it by its version.
+REFS_VERSION = 3
+VERSIONS = (VERSION, DTENSOR_VERSION, REFS_VERSION)
 MANIFEST = "manifest.json"
 #: The data section of a shard starts on this boundary, so the slab can be written with O_DIRECT.
 ALIGN = 4096
@@ -207,12 +212,27 @@ def _bad_tensor(path: str, name: Any, why: str) -> CorruptCheckpointError:
 
 @dataclass(frozen=True, slots=True)
 class ShardRecord:
-    """A shard in the manifest: its file, the rank that wrote it, its size and its crc32c."""
+    """A shard in the manifest: its file, the rank that wrote it, its (logical) size and its
+    crc32c; with a block table, the size of its own file and where each block is stored."""
 
     file: str
     rank: int
     nbytes: int
     crc32c: int
+    #: The size of the shard's own file: ``nbytes`` unless some blocks are stored elsewhere.
+    stored: int = -1
+    #: The block table (blocks.py); empty when the manifest has none.
+    blocks: tuple[Block, ...] = ()
+
+    @property
+    def file_size(self) -> int:
+        """The size the shard's own file must have."""
+        return self.nbytes if self.stored < 0 else self.stored
+
+    @property
+    def referenced_nbytes(self) -> int:
+        """The bytes of this shard stored in other steps' files."""
+        return sum(b.length for b in self.blocks if b.source)
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,6 +335,20 @@ class Manifest:
         """The size of the checkpoint: all its shards' bytes."""
         return sum(s.nbytes for s in self.shards)
 
+    @property
+    def stored_nbytes(self) -> int:
+        """The bytes this step's own files hold (its shards' bytes less what they refer to)."""
+        return sum(s.file_size for s in self.shards)
+
+    @property
+    def referenced_nbytes(self) -> int:
+        """The bytes of this step read from files of other steps."""
+        return sum(s.referenced_nbytes for s in self.shards)
+
+    def referenced_files(self) -> set[str]:
+        """The files of other steps (paths relative to the root) this step reads from."""
+        return {b.source for s in self.shards for b in s.blocks if b.source}
+
     def shard_of(self, rank: int) -> ShardRecord:
         """The shard rank ``rank`` wrote; KeyError when there is none."""
         for s in self.shards:
@@ -411,13 +445,22 @@ def _manifest_head(
 @no_gc
 def parse_manifest_record(
     data: bytes, *, path: str, step: int | None = None
-) -> tuple[float, dict[str, Any]]:
+) -> tuple[float, dict[str, Any], frozenset[str]]:
     """What retention and best_step read of an untrusted manifest: (created_at, metrics),
-    checked as parse_manifest checks them. The rest (20k tensor entries, say) is left to the
-    full check of a load: at start-up and for retention that cost 150 ms per checkpoint."""
+    checked as parse_manifest checks them, and the files of other steps its block tables
+    refer to (for keeping them, so only names that are such files are taken). The rest (20k
+    tensor entries, say) is left to the full check of a load: at start-up and for retention
+    that cost 150 ms per checkpoint."""
     raw, bad = _decode_manifest(data, path)
-    _, created, metrics = _manifest_head(raw, bad, step)
-    return created, metrics
+    m_step, created, metrics = _manifest_head(raw, bad, step)
+    refs = set()
+    shards = raw.get("shards")
+    for shard in shards if isinstance(shards, list) else ():
+        table = shard.get("blocks") if isinstance(shard, dict) else None
+        for entry in table if isinstance(table, list) else ():
+            if isinstance(entry, list) and len(entry) == 4 and is_block_source(entry[2], m_step):
+                refs.add(entry[2])
+    return created, metrics, frozenset(refs)
 
 
 @no_gc
@@ -451,7 +494,17 @@ def parse_manifest(
             raise bad(f"shard {f}: bad size {_short(nb)}")
         if type(crc) is not int or not 0 <= crc < 2**32:
             raise bad(f"shard {f}: bad crc32c {_short(crc)}")
-        shards.append(ShardRecord(f, r, nb, crc))
+        blocks: tuple[Block, ...] = ()
+        stored = -1
+        if "blocks" in s:
+            blocks, stored = parse_blocks(
+                s["blocks"], nbytes=nb, stored=s.get("stored"), own_step=m_step, path=path, file=f
+            )
+            if raw["version"] < REFS_VERSION and (
+                stored != nb or not in_order(blocks, nb - sum(b.length for b in blocks))
+            ):
+                raise bad(f"shard {f}: a version {raw['version']} shard is its own file, in order")
+        shards.append(ShardRecord(f, r, nb, crc, stored, blocks))
     sizes = {s.file: s.nbytes for s in shards}
     if len(sizes) != len(shards):
         raise bad("a shard is listed twice")

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: Bumped on any change to these messages; checked by both ends in the handshake.
-PROTOCOL = 4
+PROTOCOL = 5
 
 #: How a loaded tensor lies in shared memory: (safetensors dtype, shape, byte offset).
 TensorAt = tuple[str, tuple[int, ...], int]
@@ -117,6 +117,8 @@ class Hello:
     dist_timeout: float | None = None
     #: The lease to hold (rank 0 of a writing manager); None: take none.
     lease: LeaseSpec | None = None
+    #: Whether saves refer to the blocks a kept checkpoint already holds (see _daemon/dedup).
+    dedup: bool = True
     protocol: int = PROTOCOL
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from .._core import dtable
 from .._core import format as fmt
+from .._core.blocks import needs_refs_version
 from ..errors import DistributedSaveError, StepExistsError
 from ..storage import Storage
 
@@ -99,6 +100,8 @@ def merge(
     trees = ",".join(f'"{p.rank}":{p.tree_json}' for p in parts)
     dtensors = dtable.merge([(p.shard["file"], p.dtensors_json) for p in parts])
     version = max(fmt.tree_version(p.tree_json) for p in parts)
+    if any(needs_refs_version(p.shard) for p in parts):
+        version = fmt.REFS_VERSION
     return fmt.manifest_json(
         step=step,
         created_at=created_at,

@@ -15,6 +15,7 @@ from typing import Any
 import crc32c
 
 from .._core import format as fmt
+from .._core.blocks import ShardMap
 from .._core.catalog import Catalog
 from .._core.chunks import Chunk
 from .._core.gc import no_gc
@@ -61,14 +62,18 @@ def check_replicated(m: fmt.Manifest, world_size: int) -> None:
         )
 
 
-def check_crcs(seg: Segment, items: Tensors, lo: int, where: str) -> None:
+def check_crcs(seg: Segment, items: Tensors, lo: int, where: str, smap: ShardMap) -> None:
     """Raise for the first of ``items`` whose bytes in ``seg`` (the shard from ``lo``) fail
-    their crc32c."""
+    their crc32c, naming the files that hold them when some are another step's."""
     for name, r in items:
         with seg.buf[r.start - lo : r.end - lo] as view:
             if crc32c.crc32c(view) != r.crc32c:
+                files = smap.describe(r.start, r.end)
+                held = f" (its bytes are in {files})" if files != where else ""
                 raise CorruptCheckpointError(
-                    f"{where}: tensor {name!r} failed its crc32c check", path=where, key=name
+                    f"{where}: tensor {name!r} failed its crc32c check{held}",
+                    path=where,
+                    key=name,
                 )
 
 
@@ -195,6 +200,7 @@ class Reader:
             rank = 0  # every rank reads rank 0's part, if it is the same on every rank
             check_replicated(m, world_size)
         path, shard = self._shard_of(m, step, rank)
+        smap = self.catalog.shard_map(step, m.shard_of(rank))
         where = self.catalog.where(path)
         tree = m.trees[rank]
         fmt.check_tree(tree, set(shard), path=where, dtensor_names=set(m.dtensors))
@@ -217,7 +223,7 @@ class Reader:
             self.load_segments.add(seg.name)
         try:
             for (lo, hi, items), base in zip(ranges, bases, strict=True):
-                self._read_verified(seg, path, items, lo, hi, base, where)
+                self._read_verified(seg, smap, items, lo, hi, base, where)
             self._wait_checks()
             assembled = self._assemble(m, step, boxes, out_at, seg)
         except BaseException:
@@ -257,14 +263,15 @@ class Reader:
         """Fill each wanted box of a distributed tensor into ``seg`` at ``out_at``."""
         if not boxes:
             return None
-        checked: set[str] = set()
+        maps: dict[str, ShardMap] = {}
 
         def read(shard: str, offset: int, out: memoryview) -> None:
-            if shard not in checked:
-                rank = next(s.rank for s in m.shards if s.file == shard)
-                self._shard_of(m, step, rank)  # there, at its size
-                checked.add(shard)
-            self.storage.readinto(f"{fmt.step_dirname(step)}/{shard}", offset, out)
+            smap = maps.get(shard)
+            if smap is None:
+                record = next(s for s in m.shards if s.file == shard)
+                self._shard_of(m, step, record.rank)  # there, at its size
+                smap = maps[shard] = self.catalog.shard_map(step, record)
+            smap.readinto(self.storage, offset, out)
 
         def where(shard: str) -> str:
             return self.catalog.where(f"{fmt.step_dirname(step)}/{shard}")
@@ -302,16 +309,17 @@ class Reader:
         if not self.storage.exists(path):
             raise CorruptCheckpointError(f"{where}: the shard is missing", path=where)
         actual = self.storage.size(path)
-        if actual != shard.nbytes:
+        if actual != shard.file_size:
             raise CorruptCheckpointError(
-                f"{where}: {actual} bytes on storage, the manifest says {shard.nbytes}", path=where
+                f"{where}: {actual} bytes on storage, the manifest says {shard.file_size}",
+                path=where,
             )
         return path, m.tensors[shard.file]
 
     def _read_verified(
         self,
         seg: Segment,
-        path: str,
+        smap: ShardMap,
         items: Tensors,
         lo: int,
         hi: int,
@@ -326,13 +334,17 @@ class Reader:
         done = 0
         for off in range(0, hi - lo, LOAD_CHUNK):
             end = min(off + LOAD_CHUNK, hi - lo)
-            self.storage.readinto(path, lo + off, seg.buf[base + off : base + end])
+            with seg.buf[base + off : base + end] as out:
+                smap.readinto(self.storage, lo + off, out)
             first = done
             while done < len(by_end) and by_end[done][1].end - lo <= end:
                 done += 1
-            self._checks.append(self.pool.submit(check_crcs, seg, by_end[first:done], shift, where))
+            self._checks.append(
+                self.pool.submit(check_crcs, seg, by_end[first:done], shift, where, smap)
+            )
         if done < len(by_end):  # empty tensors past the last byte read
-            self._checks.append(self.pool.submit(check_crcs, seg, by_end[done:], shift, where))
+            rest = by_end[done:]
+            self._checks.append(self.pool.submit(check_crcs, seg, rest, shift, where, smap))
 
     def _wait_checks(self, *, quiet: bool = False) -> None:
         """Wait for the crc checks started; raise the first failure (unless ``quiet``)."""

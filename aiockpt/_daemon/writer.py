@@ -21,9 +21,10 @@ from .._core.chunks import Chunk
 from .._core.lease import check_generation
 from .._core.protocol import CheckpointInfo, Hello, LayoutMsg, SaveDone, SaveReq, SlabFree
 from .._core.shm import Segment
-from ..errors import DistributedSaveError, LeaseLostError, StepExistsError
+from ..errors import CheckpointError, DistributedSaveError, LeaseLostError, StepExistsError
 from ..retention import CheckpointRecord
 from .coord import Coordinator, Fence, Part, merge, no_fence, publish_manifest
+from .dedup import Base, Plan, shard_fields
 from .pipe import Outbox, remote_error
 from .prune import Pruner
 from .shared import Slabs
@@ -86,6 +87,10 @@ class Writer:
         fence: Fence = no_fence,
     ) -> None:
         self.catalog = catalog
+        #: What saves deduplicate against (see dedup.py): None until the first save reads it,
+        #: and always None with deduplication off.
+        self.dedup = cfg.dedup
+        self.base: Base | None = None
         self.fence = fence
         self.storage = catalog.storage
         self.rank = cfg.rank
@@ -115,13 +120,16 @@ class Writer:
             self._fence(req, f"write step {req.step}")
             self.storage.makedirs(step_dir)
             created_dir = True
-            tensors, shard_crc, dtensors = self._write_shard(step_dir, seg, layout)
+            (tensors, shard_crc, dtensors), blocks = self._write_shard(step_dir, seg, layout)
             self.outbox.send(SlabFree(req.slab))
             slab_free = True
             written = time.monotonic()
             nbytes = layout.msg.file_size
-            self._event("save.written", req, written - t0, nbytes)
+            stored = nbytes if blocks is None else blocks[0]["stored"]
+            self._event("save.written", req, written - t0, nbytes, written_nbytes=stored)
             shard = {"file": self.shard, "rank": self.rank, "nbytes": nbytes, "crc32c": shard_crc}
+            if blocks is not None:
+                shard.update(blocks[0])
             if self.coord is not None:
                 created_dir = False  # other ranks write here too: never removed by one of them
             try:
@@ -132,6 +140,8 @@ class Writer:
                 created_dir = False
                 raise
             created_dir = False  # committed: never cleaned up as a partial
+            if blocks is not None:
+                self.base = blocks[1]  # the next save refers to what this one committed
             self.pruner.committed(CheckpointRecord(req.step, created_at, dict(req.metrics)))
             self._event("save.committed", req, time.monotonic() - written, nbytes)
             info = CheckpointInfo(
@@ -163,15 +173,49 @@ class Writer:
         self.slabs.forget(req.forget)
         return tree, layout
 
-    def _write_shard(self, step_dir: str, seg: Segment, layout: Layout) -> tuple[str, int, str]:
-        """Write the slab's bytes as the shard, checksumming them meanwhile."""
+    def _write_shard(
+        self, step_dir: str, seg: Segment, layout: Layout
+    ) -> tuple[tuple[str, int, str], tuple[dict[str, object], Base] | None]:
+        """Write the slab's bytes as the shard, checksumming them meanwhile; with
+        deduplication, only the blocks the base does not hold (see dedup.py), and then also
+        the shard's block-table fields and the base the next save will use."""
+        path = f"{step_dir}/{self.shard}"
         with seg.buf[: layout.msg.file_size] as data:
+            if not self.dedup:
+                crcs = self.pool.submit(checksums, data, layout)
+                try:
+                    self.storage.write_file(path, [data])
+                finally:
+                    result = crcs.result()  # never leave the view to a running thread
+                return result, None
+            start = layout.msg.data_start
+            spans = sorted((start + s[3], start + s[4]) for s in layout.msg.specs)
+            plan = Plan(data, spans, start, self._base(), self.pool)
             crcs = self.pool.submit(checksums, data, layout)
+            plan.hash_rest()
             try:
-                self.storage.write_file(f"{step_dir}/{self.shard}", [data])
+                self.storage.write_file(path, plan)
             finally:
-                result = crcs.result()  # never leave the view to a running thread
-        return result
+                result = crcs.result()
+                plan.wait()
+            table, stored, base = plan.table(path)
+        return result, (shard_fields(table, stored), base)
+
+    def _base(self) -> Base:
+        """What the next save deduplicates against: read from the newest committed step the
+        first time (this rank's shard of it; nothing when it has no block table)."""
+        if self.base is None:
+            self.base = Base.empty()
+            steps = self.catalog.committed_steps()
+            if steps:
+                try:
+                    m = self.catalog.read_manifest(steps[-1], lazy=True)
+                    shard = m.shard_of(self.rank)
+                except (CheckpointError, KeyError):
+                    pass  # an unreadable newest step: this save writes everything
+                else:
+                    self.base = Base.of_shard(fmt.step_dirname(steps[-1]), shard)
+        return self.base
 
     def _fence(self, req: SaveReq, what: str) -> None:
         """Refuse ``what`` once the lease is lost: rank 0 checks the lease it holds, another
@@ -194,6 +238,7 @@ class Writer:
         )  # one rank cannot disagree with itself: no dtable.Disagreement here
         self.fence(f"commit step {req.step}")
         publish_manifest(self.storage, manifest_path(req.step), manifest, req.step)
+        self.catalog.note_refs(req.step, {b[2] for b in part.shard.get("blocks", ()) if b[2]})
         return created_at
 
     def _failed(
@@ -210,7 +255,9 @@ class Writer:
                 self.catalog.remove(req.step)
         self.outbox.send(SaveDone(req.uuid, error=remote_error(exc)))
 
-    def _event(self, name: str, req: SaveReq, duration_s: float, nbytes: int) -> None:
+    def _event(
+        self, name: str, req: SaveReq, duration_s: float, nbytes: int, **fields: object
+    ) -> None:
         self.outbox.event(
-            name, req.uuid, req.step, duration_s=duration_s, nbytes=nbytes, where="daemon"
+            name, req.uuid, req.step, duration_s=duration_s, nbytes=nbytes, where="daemon", **fields
         )

@@ -78,6 +78,7 @@ class AsyncCheckpointManager:
         read_only: bool = False,
         takeover: bool = False,
         lease_ttl: float = DEFAULT_LEASE_TTL,
+        dedup: bool = True,
     ) -> None:
         self.url = checks.root_url(root)
         self.storage_options = dict(storage_options or {})
@@ -88,6 +89,9 @@ class AsyncCheckpointManager:
         self.close_timeout = close_timeout
         self.on_sigterm = checks.sigterm_mode(on_sigterm)
         self.read_only = bool(read_only)
+        if not isinstance(dedup, bool):
+            raise TypeError(f"dedup must be True or False, not {dedup!r}")
+        self.dedup = dedup
         self.takeover = bool(takeover)
         self.lease_ttl = checks.positive_float("lease_ttl", lease_ttl)
         if self.lease_ttl > MAX_TTL:
@@ -174,6 +178,7 @@ class AsyncCheckpointManager:
                 rank=self.rank,
                 world_size=self.world_size,
                 trainer_pid=os.getpid(),
+                dedup=self.dedup,
                 collect_partials=self._group is None and not self.read_only,
                 dist_timeout=self.dist_timeout if self.world_size > 1 else None,
                 lease=None

@@ -84,6 +84,7 @@ class CheckpointManager:
         read_only: bool = False,
         takeover: bool = False,
         lease_ttl: float = DEFAULT_LEASE_TTL,
+        dedup: bool = True,
     ) -> None:
         self._options: dict[str, Any] = {
             "storage_options": storage_options,
@@ -97,6 +98,7 @@ class CheckpointManager:
             "read_only": read_only,
             "takeover": takeover,
             "lease_ttl": lease_ttl,
+            "dedup": dedup,
         }
         self._root = root
         # Built here too, so bad arguments fail at once, as with the async manager; the one

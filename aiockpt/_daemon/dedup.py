@@ -1,0 +1,201 @@
+"""Deduplicated shard writes: blocks whose bytes a kept checkpoint already holds are referred
+to, not written again (see :mod:`aiockpt._core.blocks` for the format).
+
+**What a save deduplicates against.** The blocks of this rank's shard in the checkpoint this
+writer committed last (at start-up, the newest committed step). That checkpoint is never
+deleted by the retention pass that follows its commit, nor by any pass before the next commit
+(retention spares the step just committed and the newest one), and the files it refers to are
+kept while it is: so whatever a save refers to stays on storage until that save has committed
+and become the reference point itself. On several ranks this needs no coordination: rank 0
+prunes before the others hear that a step committed, and each rank's next save starts after.
+
+**Not waiting for hashes.** Hashing a block costs about a sixth of writing it, so a save does
+not hash everything before it writes. A block can only be a duplicate of a base block of the
+same length; this writer remembers a 128-byte sample of each block it wrote (16 words spread
+over it), so a block whose sample differs from every base block of its length is new for sure
+and is written at once (a trained weight changes everywhere). The other blocks, the
+candidates, are hashed on the pool while the sure ones are written, and written after them,
+only if their hash is not the base's. Every block's hash is computed either way (it goes in
+the manifest), off the writing thread. After a restart no samples are known: every block
+that has a base block of its length is a candidate for the first save.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, overload
+
+import xxhash
+
+from .._core import blocks as bl
+from .._core import format as fmt
+
+#: Bytes sampled per block to tell a changed block without hashing it.
+_SAMPLES = 16
+_WORD = 8
+
+
+def digest(view: memoryview) -> str:
+    """A block's content hash, as stored in the manifest."""
+    return xxhash.xxh3_128_hexdigest(view)
+
+
+def sample(view: memoryview) -> bytes:
+    """A few words spread over a block: equal blocks have equal samples."""
+    n = len(view)
+    if n <= _SAMPLES * _WORD:
+        return bytes(view)
+    step = (n - _WORD) // (_SAMPLES - 1)
+    return b"".join(view[i * step : i * step + _WORD] for i in range(_SAMPLES))
+
+
+@dataclass
+class Base:
+    """What a save may refer to: the blocks of the last committed shard of this rank."""
+
+    #: (length, hash) -> (source path relative to the root, offset in it)
+    where: dict[tuple[int, str], tuple[str, int]]
+    #: (length, sample) of the blocks whose bytes this writer saw; None after a restart.
+    samples: set[tuple[int, bytes]] | None
+
+    @classmethod
+    def empty(cls) -> Base:
+        return cls({}, set())
+
+    @classmethod
+    def of_shard(cls, step_dir: str, shard: fmt.ShardRecord) -> Base:
+        """The blocks of a committed shard read back from its manifest (no samples)."""
+        own = f"{step_dir}/{shard.file}"
+        where = {(b.length, b.digest): (b.source or own, b.offset) for b in shard.blocks}
+        return cls(where, None)
+
+    def lengths(self) -> set[int]:
+        return {length for length, _ in self.where}
+
+
+class Plan(Sequence[memoryview]):
+    """One shard's bytes as the storage is asked to write them: the header and the blocks new
+    for sure, in runs, then one item per candidate, decided when the storage reaches it (its
+    bytes, or an empty view when the base holds them). Decisions are made once."""
+
+    def __init__(
+        self,
+        data: memoryview,
+        layout_spans: list[tuple[int, int]],
+        data_start: int,
+        base: Base,
+        pool: ThreadPoolExecutor,
+    ) -> None:
+        self.data = data
+        self.base = base
+        self.blocks = bl.cut_blocks(layout_spans, data_start, len(data))
+        self.data_start = data_start
+        self.samples = [sample(data[lo:hi]) for lo, hi in self.blocks]
+        lengths = base.lengths()
+        known = base.samples
+        self.candidate = [
+            (hi - lo) in lengths and (known is None or (hi - lo, s) in known)
+            for (lo, hi), s in zip(self.blocks, self.samples, strict=True)
+        ]
+        # The candidates' hashes first: the writes of the others wait for nothing.
+        self._pool = pool
+        self._hashes: dict[int, Future[str]] = {}
+        for i, c in enumerate(self.candidate):
+            if c:
+                self._hashes[i] = pool.submit(digest, data[self.blocks[i][0] : self.blocks[i][1]])
+        # Runs of sure blocks, the header joined to the first when they touch.
+        runs: list[list[int]] = [[0, data_start]]
+        for i, c in enumerate(self.candidate):
+            if c:
+                continue
+            lo, hi = self.blocks[i]
+            if runs[-1][1] == lo:
+                runs[-1][1] = hi
+            else:
+                runs.append([lo, hi])
+        self._runs = [(lo, hi) for lo, hi in runs]
+        self._candidates = [i for i, c in enumerate(self.candidate) if c]
+        self._decided: dict[int, bool] = {}  # candidate index -> whether it is written
+
+    def hash_rest(self) -> None:
+        """Start hashing the blocks new for sure (their hashes go in the manifest only)."""
+        for i, (lo, hi) in enumerate(self.blocks):
+            if i not in self._hashes:
+                self._hashes[i] = self._pool.submit(digest, self.data[lo:hi])
+
+    def __len__(self) -> int:
+        return len(self._runs) + len(self._candidates)
+
+    @overload
+    def __getitem__(self, i: int) -> memoryview: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[memoryview]: ...
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        if i < len(self._runs):
+            lo, hi = self._runs[i]
+            return self.data[lo:hi]
+        block = self._candidates[i - len(self._runs)]
+        lo, hi = self.blocks[block]
+        return self.data[lo:hi] if self._written(block) else self.data[lo:lo]
+
+    def __iter__(self) -> Iterator[memoryview]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def _written(self, block: int) -> bool:
+        decided = self._decided.get(block)
+        if decided is None:
+            lo, hi = self.blocks[block]
+            key = (hi - lo, self._hashes[block].result())
+            decided = self._decided[block] = key not in self.base.where
+        return decided
+
+    def wait(self) -> None:
+        """Let every hash finish (none may run on the slab once the save lets it go)."""
+        for f in self._hashes.values():
+            f.exception()
+
+    def table(self, own: str) -> tuple[list[bl.Block], int, Base]:
+        """Once written: the block table, the own file's size, and the base for the next
+        save (``own``: this shard's path relative to the root)."""
+        where: dict[int, tuple[str, int]] = {}
+        run_at, at = [], 0  # where each run starts in the own file
+        for lo, hi in self._runs:
+            run_at.append(at)
+            at += hi - lo
+        run = 0
+        for i, (a, b) in enumerate(self.blocks):
+            if self.candidate[i]:
+                continue
+            while self._runs[run][1] < b:
+                run += 1
+            where[i] = ("", run_at[run] + a - self._runs[run][0])
+        for i in self._candidates:
+            lo, hi = self.blocks[i]
+            if self._written(i):
+                where[i] = ("", at)
+                at += hi - lo
+            else:
+                where[i] = self.base.where[(hi - lo, self._hashes[i].result())]
+        table = []
+        nxt: dict[tuple[int, str], tuple[str, int]] = {}
+        for i, (lo, hi) in enumerate(self.blocks):
+            source, offset = where[i]
+            h = self._hashes[i].result()
+            table.append(bl.Block(hi - lo, h, source, offset))
+            nxt.setdefault((hi - lo, h), (source or own, offset))
+        samples = {(hi - lo, s) for (lo, hi), s in zip(self.blocks, self.samples, strict=True)}
+        return table, at, Base(nxt, samples)
+
+
+def shard_fields(table: list[bl.Block], stored: int) -> dict[str, Any]:
+    """The manifest's fields of a deduplicated shard."""
+    return {"stored": stored, "blocks": [b.json() for b in table]}

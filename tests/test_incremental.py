@@ -1,0 +1,287 @@
+"""Incremental checkpoints: blocks a kept checkpoint holds are referred to, not written again;
+every checkpoint still loads on its own, and retention never removes a referenced file."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+from _support.roots import flip_byte, manifest_of, step_numbers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from aiockpt import AsyncCheckpointManager, LatestN
+from aiockpt._core import format as fmt
+from aiockpt._core.blocks import BLOCK_BYTES, SMALL_BYTES, cut_blocks
+from aiockpt.errors import CorruptCheckpointError
+
+SCRIPT = str(Path(sys.executable).parent / "aiockpt")
+MiB = 1 << 20
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([SCRIPT, *args], capture_output=True, text=True, timeout=120)
+
+
+def disk_bytes(root: str) -> int:
+    """Every byte under ``root``: shards, manifests, retired files."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
+
+
+def lora_model() -> tuple[torch.nn.Module, list[torch.nn.Parameter]]:
+    """A frozen base (4 linear layers of 1 MiB each) with small trainable adapters."""
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(torch.nn.Linear(512, 512, bias=False) for _ in range(4))
+    model = torch.nn.Module()
+    model.base = layers
+    model.lora_a = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(8, 512)) for _ in range(4))
+    model.lora_b = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(512, 8)) for _ in range(4))
+    for p in model.base.parameters():
+        p.requires_grad_(False)
+    return model, [*model.lora_a, *model.lora_b]
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    h = x
+    for layer, a, b in zip(model.base, model.lora_a, model.lora_b, strict=True):
+        h = layer(h) + h @ a.T @ b.T
+    loss = h.square().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def snapshot(state: dict) -> dict:
+    return {
+        "model": {k: v.clone() for k, v in state["model"].state_dict().items()},
+        "optim": state["optim"].state_dict()["state"],
+    }
+
+
+@pytest.mark.slow
+def test_lora_saves_write_only_what_changed_and_outlive_the_first(root):
+    """20 saves of a frozen base + adapters + AdamW: storage holds about the base once plus
+    what changed per save, and every kept step loads bit-exact after retention removed step 1,
+    whose shard holds the base."""
+    model, trainable = lora_model()
+    opt = torch.optim.AdamW(trainable, lr=1e-2)
+    state = {"model": model, "optim": opt}
+    x = torch.randn(4, 512)
+    written, saved = {}, {}
+
+    def on_event(event) -> None:
+        if event.name == "save.written":
+            written[event.step] = event.written_nbytes
+
+    async def main() -> list[int]:
+        async with AsyncCheckpointManager(
+            root, retention=LatestN(19), event_handlers=[on_event]
+        ) as mgr:
+            for step in range(1, 21):
+                train_step(model, opt, x)
+                await (await mgr.save(step, state))
+                saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
+            return await mgr.steps()
+
+    steps = anyio.run(main)
+    assert steps == list(range(2, 21))
+    base = sum(p.numel() * 4 for p in model.base.parameters())
+    changed = sum(p.numel() * 4 * 3 for p in trainable)  # the adapters and their two moments
+    assert disk_bytes(root) <= 1.1 * (base + 20 * changed) + 20 * 16 * 1024  # + manifests
+    assert written[1] > base
+    assert all(written[s] < base / 8 for s in range(2, 21))
+    assert not os.path.exists(os.path.join(root, fmt.step_dirname(1), fmt.MANIFEST))
+    assert os.path.exists(os.path.join(root, fmt.step_dirname(1), fmt.shard_filename(0)))
+    assert manifest_of(root, 20)["version"] == fmt.REFS_VERSION
+
+    async def load_all() -> None:
+        async with AsyncCheckpointManager(root, read_only=True) as mgr:
+            for step in steps:
+                got = await mgr.load(step)
+                for k, v in saved[step].items():
+                    assert torch.equal(got["model"][k], v), (step, k)
+
+    anyio.run(load_all)
+    assert cli("verify", root).returncode == 0
+
+
+def test_the_first_save_stays_version_1_and_dedup_false_writes_everything(root, tmp_path):
+    """Nothing to refer to: the shard is the whole safetensors file and the manifest version
+    1, so older readers read it. With dedup=False nothing is ever referred to."""
+    from safetensors import safe_open
+
+    state = {"w": torch.randn(512, 1024), "b": torch.arange(10)}
+    off = str(tmp_path / "off")
+
+    async def main() -> None:
+        async with AsyncCheckpointManager(root) as mgr:
+            await (await mgr.save(1, state))
+            await (await mgr.save(2, state))
+        async with AsyncCheckpointManager(off, dedup=False) as mgr:
+            await (await mgr.save(1, state))
+            await (await mgr.save(2, state))
+
+    anyio.run(main)
+    first = manifest_of(root, 1)
+    assert first["version"] == 1
+    assert first["shards"][0]["stored"] == first["shards"][0]["nbytes"]
+    with safe_open(os.path.join(root, fmt.step_dirname(1), fmt.shard_filename(0)), "pt") as f:
+        assert torch.equal(f.get_tensor("w"), state["w"])
+    second = manifest_of(root, 2)
+    assert second["version"] == fmt.REFS_VERSION
+    assert second["shards"][0]["stored"] < 8192  # the header
+    for step in (1, 2):
+        m = manifest_of(off, step)
+        assert m["version"] == 1
+        assert "blocks" not in m["shards"][0]
+        shard = os.path.join(off, fmt.step_dirname(step), fmt.shard_filename(0))
+        assert os.path.getsize(shard) == m["shards"][0]["nbytes"]
+    with pytest.raises(TypeError, match="dedup"):
+        AsyncCheckpointManager(root, dedup="yes")  # type: ignore[arg-type]
+
+
+@settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    sizes=st.lists(st.sampled_from([3, 700, 40_000, 300_000, 600_000]), min_size=2, max_size=6),
+    changes=st.lists(st.lists(st.integers(0, 5), max_size=3), min_size=2, max_size=5),
+    keep=st.integers(1, 3),
+)
+def test_random_changes_between_saves_load_back_exactly(tmp_path_factory, sizes, changes, keep):
+    """Random tensors changed in place between saves, retention deleting as it goes: every
+    kept step loads exactly what was saved, and verify passes."""
+    root = str(tmp_path_factory.mktemp("inc") / "run")
+    torch.manual_seed(len(sizes) * 31 + keep)
+    state = {f"t{i}": torch.randn(n) for i, n in enumerate(sizes)}
+    saved = {}
+
+    async def main() -> list[int]:
+        async with AsyncCheckpointManager(root, retention=LatestN(keep)) as mgr:
+            for step, changed in enumerate(changes, start=1):
+                for i in changed:
+                    t = state[f"t{i % len(sizes)}"]
+                    t[torch.randint(0, t.numel(), (1,))] += 1.0
+                await (await mgr.save(step, state))
+                saved[step] = {k: v.clone() for k, v in state.items()}
+            steps = await mgr.steps()
+            for step in steps:
+                got = await mgr.load(step)
+                for k, v in saved[step].items():
+                    assert torch.equal(got[k], v), (step, k)
+            return steps
+
+    steps = anyio.run(main)
+    assert steps == list(range(len(changes) - min(keep, len(changes)) + 1, len(changes) + 1))
+    assert cli("verify", root).returncode == 0
+
+
+def test_a_referenced_file_corrupt_or_missing_is_named_with_its_step(root):
+    state = {"w": torch.randn(1024, 1024), "small": torch.ones(3)}
+
+    async def save() -> None:
+        async with AsyncCheckpointManager(root) as mgr:
+            await (await mgr.save(1, state))
+            state["small"] += 1
+            await (await mgr.save(2, state))
+
+    async def load(step: int) -> dict:
+        async with AsyncCheckpointManager(root, read_only=True) as mgr:
+            return await mgr.load(step)
+
+    anyio.run(save)
+    shard1 = os.path.join(root, fmt.step_dirname(1), fmt.shard_filename(0))
+    flip_byte(shard1, manifest_of(root, 1)["tensors"][fmt.shard_filename(0)]["w"]["byte_range"][0])
+    with pytest.raises(CorruptCheckpointError, match=r"step_000000000001.*written by step 1"):
+        anyio.run(load, 2)
+    verify = cli("verify", root, "2")
+    assert verify.returncode == 1
+    assert "step_000000000001/shard_r00000.safetensors (written by step 1)" in verify.stdout
+    os.unlink(shard1)
+    with pytest.raises(CorruptCheckpointError, match=r"written by step 1 and referenced by"):
+        anyio.run(load, 2)
+    assert "written by step 1" in cli("verify", root, "2").stdout
+
+
+def test_copy_makes_a_self_contained_checkpoint(root, tmp_path):
+    """`aiockpt copy` writes every referenced byte into the copy's own shard: it loads with
+    the source gone, and is version 1 again."""
+    state = {"w": torch.randn(1024, 1024), "step": 0}
+    dest = str(tmp_path / "copy")
+
+    async def save() -> None:
+        async with AsyncCheckpointManager(root) as mgr:
+            for step in (1, 2, 3):
+                state["step"] = step
+                await (await mgr.save(step, state))
+
+    anyio.run(save)
+    assert manifest_of(root, 3)["version"] == fmt.REFS_VERSION
+    done = cli("copy", root, "3", dest)
+    assert done.returncode == 0, done.stderr
+    assert cli("copy", root, "3", dest).returncode == 1  # already there: refused
+    shutil.rmtree(root)
+    m = manifest_of(dest, 3)
+    assert m["version"] == 1
+    assert "blocks" not in m["shards"][0]
+    assert step_numbers(dest) == [3]
+
+    async def load() -> dict:
+        async with AsyncCheckpointManager(dest, read_only=True) as mgr:
+            return await mgr.load()
+
+    got = anyio.run(load)
+    assert torch.equal(got["w"], state["w"])
+    assert got["step"] == 3
+    assert cli("verify", dest).returncode == 0
+
+
+def test_show_and_ls_tell_written_and_referenced_bytes(root):
+    state = {"w": torch.randn(1024, 1024)}
+
+    async def save() -> None:
+        async with AsyncCheckpointManager(root) as mgr:
+            await (await mgr.save(1, state))
+            await (await mgr.save(2, state))
+
+    anyio.run(save)
+    ls = cli("ls", root)
+    assert ls.returncode == 0
+    header, first, second = ls.stdout.splitlines()
+    assert header.split()[3:5] == ["WRITTEN", "REFERENCED"]
+    assert first.split()[3:9] == ["4.0", "MiB", "4.0", "MiB", "0", "B"]  # refers to nothing
+    assert second.split()[3:5] == ["4.0", "MiB"]
+    assert second.split()[6] == "KiB"  # the header
+    assert second.split()[7:9] == ["4.0", "MiB"]
+    show = cli("show", root, "2")
+    assert "read from 1 file of step 1" in show.stdout
+
+    record = json.loads(cli("show", root, "2", "--json").stdout)
+    assert record["referenced_files"] == ["step_000000000001/shard_r00000.safetensors"]
+    assert record["referenced_nbytes"] == 4 * MiB
+    assert record["written_nbytes"] + record["referenced_nbytes"] == record["nbytes"]
+
+
+def test_blocks_tile_the_data_section():
+    """Large tensors cut into BLOCK_BYTES pieces, small ones grouped, nothing left out."""
+    spans, at = [], 4096
+    for n in (10, 3 * BLOCK_BYTES + 5, 100, SMALL_BYTES, 7):
+        spans.append((at, at + n))
+        at += n
+    blocks = cut_blocks(spans, 4096, at)
+    assert blocks[0][0] == 4096
+    assert blocks[-1][1] == at
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(blocks))
+    big_lo = spans[1][0]
+    assert (big_lo, big_lo + BLOCK_BYTES) in blocks  # the big tensor starts a block
+    assert all(hi - lo <= BLOCK_BYTES for lo, hi in blocks)
