@@ -1,0 +1,528 @@
+"""aiockpt's Storage on Azure Blob Storage, through the blob client that adlfs owns.
+
+adlfs gives us credentials (account key, SAS, connection string, azure-identity), the account
+URL and its IO event loop (a dedicated thread); the transfers are ours, on the same
+``azure.storage.blob.aio`` client:
+
+- small files are one ``Put Blob``; large ones are blocks staged ``concurrency`` at a time
+  from the caller's buffers, then one ``Put Block List``: the blob exists only once the list
+  is committed, so a failed write leaves no blob (staged blocks that are never committed are
+  dropped by the service);
+- ``put_if_absent`` is ``Put Blob`` with ``If-None-Match: *``: Azure answers 409
+  ``BlobAlreadyExists`` when the blob exists, so of racing writers exactly one wins;
+- reads are ranged ``Get Blob`` calls; listings are always fresh (``delimiter=/``).
+
+Every call is retried on transient errors with bounded, jittered backoff; the SDK's own retry
+policy is off for our calls (``retry_total=0``), so the two do not multiply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import dataclasses
+import errno as errno_mod
+import logging
+import random
+import traceback
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import fsspec.asyn
+
+from aiockpt.errors import StorageError
+
+__all__ = ["AzureOptions", "AzureStorage", "open_azure"]
+
+log = logging.getLogger("aiockpt")
+T = TypeVar("T")
+MiB = 1024 * 1024
+MAX_BLOCKS = 50_000  # Azure's limit of blocks per blob
+
+
+@dataclass(frozen=True, kw_only=True)
+class AzureOptions:
+    """The plugin's own ``storage_options``; every other key goes to adlfs."""
+
+    #: Bytes per staged block (and per ranged GET of a read); raised when a file would need
+    #: more than 50,000 blocks.
+    block_size: int = 16 * MiB
+    #: Files of at least this many bytes go up as staged blocks, smaller ones in one Put Blob.
+    single_put_threshold: int = 16 * MiB
+    #: Blocks staged (and ranges read) at once per file; blobs deleted at once.
+    concurrency: int = 8
+    #: Retries of one call after a transient error (throttling, 5xx, connection errors).
+    retries: int = 5
+    #: First backoff in seconds; doubles each retry, jittered, capped at ``max_backoff``.
+    backoff: float = 0.2
+    max_backoff: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name, low, high in (
+            ("block_size", 64 * 1024, 4000 * MiB),
+            ("single_put_threshold", 1, 5000 * MiB),
+            ("concurrency", 1, 1024),
+            ("retries", 0, 100),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"storage option {name!r} must be an int, got {value!r}")
+            if not low <= value <= high:
+                raise ValueError(f"storage option {name!r} must be between {low} and {high}")
+        for name in ("backoff", "max_backoff"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"storage option {name!r} must be a number >= 0, got {value!r}")
+
+    @classmethod
+    def split(cls, options: dict[str, Any]) -> tuple[AzureOptions, dict[str, Any]]:
+        names = {f.name for f in dataclasses.fields(cls)}
+        ours = {k: v for k, v in options.items() if k in names}
+        return cls(**ours), {k: v for k, v in options.items() if k not in names}
+
+
+class GaveUp(Exception):
+    """A call failed for good: not transient, or out of retries."""
+
+    def __init__(self, op: str, key: str, cause: BaseException, attempts: int) -> None:
+        super().__init__(op, key)
+        self.op, self.key, self.cause, self.attempts = op, key, cause, attempts
+
+
+def _status(e: BaseException) -> int:
+    return int(getattr(e, "status_code", 0) or 0)
+
+
+def _code(e: BaseException) -> str:
+    return str(getattr(e, "error_code", "") or "")
+
+
+def is_transient(e: BaseException) -> bool:
+    """Whether a retry of the call that raised ``e`` may succeed."""
+    import aiohttp
+    from azure.core.exceptions import (
+        HttpResponseError,
+        ServiceRequestError,
+        ServiceResponseError,
+    )
+
+    if isinstance(e, (ServiceRequestError, ServiceResponseError)):
+        return True  # the request did not get through, or no answer came back
+    if isinstance(e, HttpResponseError):
+        return _status(e) >= 500 or _status(e) in (408, 429)
+    return isinstance(e, (aiohttp.ClientError, ConnectionError, TimeoutError))
+
+
+class AzureStorage:
+    """A checkpoint root ``az://container/prefix``. Methods are blocking and thread-safe."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        import adlfs  # imported here: the entry point module stays cheap to load
+
+        self.url = url
+        protocol, sep, rest = url.partition("://")
+        if not sep or protocol not in ("az", "abfs", "abfss"):
+            raise ValueError(f"not an Azure URL: {url!r}")
+        container, _, prefix = rest.partition("/")
+        options = dict(storage_options or {})
+        if "@" in container:  # abfs://container@account.dfs.core.windows.net/path
+            container, _, host = container.partition("@")
+            options.setdefault("account_name", host.split(".", 1)[0])
+        if not container:
+            raise ValueError(f"no container in {url!r}")
+        self.container = container
+        self.prefix = prefix.strip("/")
+        self.options, fs_options = AzureOptions.split(options)
+        if fs_options.get("asynchronous"):
+            raise ValueError(
+                "storage option 'asynchronous' is not supported: aiockpt owns the loop"
+            )
+        fs_options.setdefault("skip_instance_cache", True)
+        self.fs = adlfs.AzureBlobFileSystem(**fs_options)
+        self._container = self.fs.service_client.get_container_client(container)
+        self._closed = False
+
+    # ----------------------------------------------------------------- plumbing
+
+    def _key(self, path: str) -> str:
+        path = path.strip("/")
+        if self.prefix and path:
+            return f"{self.prefix}/{path}"
+        return self.prefix or path
+
+    def where(self, key: str) -> str:
+        return f"az://{self.container}/{key}"
+
+    def _delay(self, attempt: int) -> float:
+        cap = min(self.options.max_backoff, self.options.backoff * (2**attempt))
+        return cap / 2 + random.uniform(0, cap / 2)
+
+    async def _call(self, op: str, key: str, fn: Callable[[], Awaitable[T]]) -> T:
+        """``fn()`` with retries on transient errors; raises GaveUp at the end."""
+        attempt = 0
+        while True:
+            try:
+                return await fn()
+            except Exception as e:
+                if attempt >= self.options.retries or not is_transient(e):
+                    raise GaveUp(op, key, e, attempt + 1) from e
+                log.debug("%s %s: %s; retry %d", op, self.where(key), e, attempt + 1)
+            await asyncio.sleep(self._delay(attempt))
+            attempt += 1
+
+    def _run(self, op: str, path: str, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run a coroutine on adlfs's loop thread; any failure becomes a StorageError."""
+        if self._closed:
+            raise StorageError(f"{op} {self.where(self._key(path))}: the storage is closed")
+        try:
+            return fsspec.asyn.sync(self.fs.loop, fn, *args)
+        except StorageError:
+            raise
+        except GaveUp as e:
+            err = self._error(e.op, e.key, e.cause, e.attempts)
+            _clear_frames(e)
+            raise err from None
+        except Exception as e:
+            err = self._error(op, self._key(path), e, 1)
+            _clear_frames(e)
+            raise err from None
+
+    def _error(self, op: str, key: str, e: BaseException, attempts: int) -> StorageError:
+        where = self.where(key)
+        status, code = _status(e), _code(e)
+        if isinstance(e, StorageError):
+            return StorageError(str(e), path=where, errno=e.errno)
+        num: int | None
+        if code == "ContainerNotFound":
+            msg, num = f"the container {self.container!r} does not exist", errno_mod.ENOENT
+        elif status == 404:
+            msg, num = "no such blob", errno_mod.ENOENT
+        elif status == 403:
+            msg, num = f"access denied ({code or e})", errno_mod.EACCES
+        elif status == 416:
+            msg, num = "the blob ends before the requested range", errno_mod.EIO
+        else:
+            num = errno_mod.ETIMEDOUT if isinstance(e, TimeoutError) else errno_mod.EIO
+            msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        tries = f" after {attempts} attempts" if attempts > 1 else ""
+        err = StorageError(f"{op} {where} failed{tries}: {msg}", path=where, errno=num)
+        err.__cause__ = e
+        return err
+
+    # ----------------------------------------------------------------- writes
+
+    def write_file(self, path: str, buffers: Sequence[memoryview]) -> None:
+        """Write the concatenation of ``buffers`` to ``path``; no view of them is kept."""
+        self._run("write", path, self._write, self._key(path), buffers)
+
+    async def _write(self, key: str, buffers: Sequence[memoryview]) -> None:
+        views = [memoryview(b).cast("B") for b in buffers]
+        try:
+            total = sum(len(v) for v in views)
+            if total < self.options.single_put_threshold:
+                await self._put(key, b"".join(views), True)
+            else:
+                await self._staged(key, views, total)
+        finally:
+            for v in views:
+                v.release()
+
+    async def _put(self, key: str, data: bytes, overwrite: bool) -> None:
+        blob = self._container.get_blob_client(key)
+        op = "write" if overwrite else "create"
+        await self._call(
+            op,
+            key,
+            lambda: blob.upload_blob(
+                data, overwrite=overwrite, length=len(data), max_concurrency=1, retry_total=0
+            ),
+        )
+
+    async def _staged(self, key: str, views: list[memoryview], total: int) -> None:
+        blob = self._container.get_blob_client(key)
+        size = max(self.options.block_size, -(-total // MAX_BLOCKS))
+        ranges = [(start, min(start + size, total)) for start in range(0, total, size)]
+        ids = [base64.b64encode(f"{i:08d}".encode()).decode() for i in range(len(ranges))]
+        todo = iter(zip(ids, ranges, strict=True))
+
+        async def worker() -> None:
+            for block_id, (start, stop) in todo:  # shared iterator: each block taken once
+                await self._call(
+                    "write",
+                    key,
+                    lambda b=block_id, lo=start, hi=stop: self._stage(  # type: ignore[misc]
+                        blob, b, _slice(views, lo, hi)
+                    ),
+                )
+
+        await _gather_or_cancel(
+            [worker() for _ in range(min(self.options.concurrency, len(ranges)))]
+        )
+        from azure.storage.blob import BlobBlock
+
+        blocks = [BlobBlock(block_id=i) for i in ids]
+        await self._call("write", key, lambda: blob.commit_block_list(blocks, retry_total=0))
+
+    async def _stage(self, blob: Any, block_id: str, data: memoryview | bytes) -> None:
+        """Stage one block, its body sent in 1 MiB slices of the caller's memory (aiohttp
+        would warn on a larger write, which holds the loop; asyncio may copy it)."""
+        writers: set[asyncio.Task[Any]] = set()
+        body = _slices(data, writers)
+        try:
+            await blob.stage_block(block_id, body, length=len(data), retry_total=0)
+        finally:
+            # aiohttp may leave its writer task sending the body after a failed request; it
+            # holds a view of the caller's memory until it ends.
+            me = asyncio.current_task()
+            left = [t for t in writers if t is not me and not t.done()]
+            for t in left:
+                t.cancel()
+            if left:
+                await asyncio.wait(left)
+            with contextlib.suppress(RuntimeError):
+                await body.aclose()
+
+    def put_atomic(self, path: str, data: bytes) -> None:
+        """Write ``data`` to ``path``: one Put Blob, all there or not there."""
+        self._run("write", path, self._put, self._key(path), bytes(data), True)
+
+    def put_if_absent(self, path: str, data: bytes) -> bool:
+        """Create ``path`` holding ``data`` unless a blob is there (False then): one Put Blob
+        with ``If-None-Match: *``."""
+        return bool(self._run("create", path, self._create, self._key(path), bytes(data)))
+
+    async def _create(self, key: str, data: bytes) -> bool:
+        try:
+            await self._put(key, data, False)
+            return True
+        except GaveUp as e:
+            if _status(e.cause) not in (409, 412):
+                raise
+            if e.attempts == 1:
+                return False
+        # A retried Put Blob: its first try may have landed, and then the blob is ours.
+        return bool(await self._read(key, 0, len(data) + 1, exact=False) == data)
+
+    def makedirs(self, path: str) -> None:
+        """Blob storage has no directories (a name with "/" in it is enough)."""
+
+    def delete(self, path: str, *, recursive: bool = False) -> None:
+        """Delete the blob ``path``, or with ``recursive`` also everything under it."""
+        self._run("delete", path, self._delete, self._key(path), recursive)
+
+    async def _delete(self, key: str, recursive: bool) -> None:
+        keys = [key] if key else []
+        if recursive:
+            keys += await self._names(key + "/" if key else "", delimited=False)
+        sem = asyncio.Semaphore(self.options.concurrency)
+
+        async def one(k: str) -> None:
+            async with sem:
+                blob = self._container.get_blob_client(k)
+                try:
+                    await self._call("delete", k, lambda: blob.delete_blob(retry_total=0))
+                except GaveUp as e:
+                    if _status(e.cause) != 404 or _code(e.cause) == "ContainerNotFound":
+                        raise
+
+        await _gather_or_cancel([one(k) for k in keys])
+
+    # ----------------------------------------------------------------- reads
+
+    def read_range(self, path: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of ``path``."""
+        if start < 0 or end < start:
+            raise ValueError(f"bad byte range [{start}, {end})")
+        return self._run("read", path, self._read, self._key(path), start, end - start)
+
+    async def _read(self, key: str, offset: int, length: int, *, exact: bool = True) -> bytes:
+        if length == 0:
+            await self._size(key)  # a missing blob is still an error
+            return b""
+        blob = self._container.get_blob_client(key)
+
+        async def get() -> bytes:
+            stream = await blob.download_blob(
+                offset=offset, length=length, max_concurrency=1, retry_total=0
+            )
+            return bytes(await stream.readall())
+
+        data = await self._call("read", key, get)
+        if exact and len(data) != length:
+            raise StorageError(
+                f"read {self.where(key)} failed: the blob ends before byte {offset + length}",
+                path=self.where(key),
+                errno=errno_mod.EIO,
+            )
+        return data
+
+    def readinto(self, path: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with the bytes of ``path`` from ``offset`` on."""
+        view = memoryview(out).cast("B")
+        try:
+            self._run("read", path, self._readinto, self._key(path), offset, view)
+        finally:
+            view.release()
+
+    async def _readinto(self, key: str, offset: int, out: memoryview) -> None:
+        if len(out) == 0:
+            await self._size(key)
+            return
+        step = self.options.block_size
+        sem = asyncio.Semaphore(self.options.concurrency)
+
+        async def one(lo: int, hi: int) -> None:
+            async with sem:
+                out[lo:hi] = await self._read(key, offset + lo, hi - lo)
+
+        await _gather_or_cancel(
+            [one(lo, min(lo + step, len(out))) for lo in range(0, len(out), step)]
+        )
+
+    def size(self, path: str) -> int:
+        """The size of the blob ``path`` in bytes."""
+        return self._run("stat", path, self._size, self._key(path))
+
+    async def _size(self, key: str) -> int:
+        blob = self._container.get_blob_client(key)
+        props = await self._call("stat", key, lambda: blob.get_blob_properties(retry_total=0))
+        return int(props.size)
+
+    def exists(self, path: str) -> bool:
+        """Whether ``path`` is a blob, or a "directory" with something under it."""
+        return self._run("stat", path, self._exists, self._key(path))
+
+    async def _exists(self, key: str) -> bool:
+        if key:
+            try:
+                await self._size(key)
+                return True
+            except GaveUp as e:
+                if _status(e.cause) != 404 or _code(e.cause) == "ContainerNotFound":
+                    raise
+        return bool(await self._names(key + "/" if key else "", delimited=False, limit=1))
+
+    def list_dir(self, path: str) -> list[str]:
+        """The names directly under ``path``, blobs and "directories", sorted."""
+        return self._run("list", path, self._list_dir, self._key(path))
+
+    async def _list_dir(self, key: str) -> list[str]:
+        prefix = key + "/" if key else ""
+        names = {n[len(prefix) :].rstrip("/") for n in await self._names(prefix, delimited=True)}
+        names.discard("")
+        return sorted(names)
+
+    async def _names(self, prefix: str, *, delimited: bool, limit: int | None = None) -> list[str]:
+        """Blob names under ``prefix`` (and "directory" prefixes, when ``delimited``)."""
+
+        async def listing() -> list[str]:
+            out: list[str] = []
+            if delimited:
+                pages = self._container.walk_blobs(
+                    name_starts_with=prefix, delimiter="/", retry_total=0
+                )
+            else:
+                pages = self._container.list_blobs(name_starts_with=prefix, retry_total=0)
+            async for item in pages:
+                out.append(item.name)
+                if limit is not None and len(out) >= limit:
+                    break
+            return out
+
+        return await self._call("list", prefix, listing)
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def close(self) -> None:
+        """Close the blob client; the storage is not used after this."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            fsspec.asyn.sync(self.fs.loop, self._close, timeout=10)
+        except Exception as e:  # close must not fail
+            log.warning("closing %s: %s", self.url, e)
+
+    async def _close(self) -> None:
+        await self._container.close()
+        await self.fs.service_client.close()
+        credential = getattr(self.fs, "credential", None)
+        if credential is not None and hasattr(credential, "close"):
+            result = credential.close()
+            if asyncio.iscoroutine(result):
+                await result
+
+
+async def _slices(
+    data: memoryview | bytes, writers: set[asyncio.Task[Any]]
+) -> AsyncGenerator[memoryview | bytes, None]:
+    """``data`` in 1 MiB slices, each a view; the tasks that iterate it go into ``writers``."""
+    view: memoryview | None = memoryview(data)
+    piece: memoryview | None = None
+    try:
+        task = asyncio.current_task()
+        if task is not None:
+            writers.add(task)
+        for start in range(0, len(data), MiB):
+            piece = view[start : start + MiB] if view is not None else None
+            yield piece if piece is not None else b""
+            piece = None
+    finally:
+        view = piece = None  # kept by any traceback through this frame otherwise
+
+
+def _slice(views: list[memoryview], start: int, stop: int) -> memoryview | bytes:
+    """Bytes [start, stop) of the concatenation: a view, or a copy only across buffers."""
+    pieces = []
+    base = 0
+    for v in views:
+        lo, hi = max(start, base), min(stop, base + len(v))
+        if lo < hi:
+            pieces.append(v[lo - base : hi - base])
+        base += len(v)
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
+async def _gather_or_cancel(coros: list[Awaitable[None]]) -> None:
+    """Run ``coros`` together; the first failure cancels the rest and is raised."""
+    if not coros:
+        return
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.wait(tasks)
+    for t in tasks:
+        if not t.cancelled() and t.exception() is not None:
+            raise t.exception()  # type: ignore[misc]
+
+
+def _clear_frames(e: BaseException | None) -> None:
+    """Drop the locals of finished frames in ``e``'s chain (causes and contexts): they hold
+    views of the caller's buffers, which must not outlive the call."""
+    seen: set[int] = set()
+    todo = [e]
+    while todo:
+        cur = todo.pop()
+        if cur is None or id(cur) in seen:
+            continue
+        seen.add(id(cur))
+        for tb in (cur.__traceback__, getattr(cur, "exc_traceback", None)):
+            if tb is not None:
+                traceback.clear_frames(tb)
+        # azure-core's errors keep the error they wrap (and its traceback) as attributes
+        todo += [cur.__cause__, cur.__context__]
+        todo += [
+            x
+            for x in (getattr(cur, a, None) for a in ("inner_exception", "exc_value"))
+            if isinstance(x, BaseException)
+        ]
+
+
+def open_azure(url: str, storage_options: dict[str, Any]) -> AzureStorage:
+    """The ``aiockpt.storage`` entry point for ``az://``, ``abfs://`` and ``abfss://``."""
+    return AzureStorage(url, storage_options)
