@@ -108,3 +108,45 @@ def test_format_v2_checkpoint_verifies_and_reads_with_safetensors(v2_root: str) 
     with safe_open(str(shard), "pt") as f:
         # Rank 1's chunk of "w": columns 5-9.
         assert torch.equal(f.get_tensor("w"), v2_expected()["w"][:, 5:])
+
+
+@pytest.fixture
+def v3_root(tmp_path: Path) -> str:
+    """Steps 3 and 4 saved with deduplication, retention keeping one: step 4's shard holds
+    its small tensor and reads its 1 MiB tensor from step 3's file, kept in a retired step
+    directory (no manifest)."""
+    root = tmp_path / "v3"
+    shutil.copytree(FIXTURES / "format_v3", root)
+    return str(root)
+
+
+def test_format_v3_checkpoint_loads_through_its_block_table(v3_root: str) -> None:
+    events = []
+
+    async def main() -> tuple[list[int], dict]:
+        async with AsyncCheckpointManager(v3_root, event_handlers=[events.append]) as mgr:
+            return await mgr.steps(), await mgr.load()
+
+    steps, state = anyio.run(main)
+    assert steps == [4]
+    assert torch.equal(state["big"], torch.arange(262144, dtype=torch.float32))
+    assert torch.equal(state["small"], torch.full((4,), 4.0))
+    assert state["step"] == 4
+    assert state["name"] == "v3"
+    # Opening a writing manager kept the retired file step 4 reads from.
+    assert (Path(v3_root) / "step_000000000003" / "shard_r00000.safetensors").exists()
+
+
+def test_format_v3_checkpoint_verifies_and_copies_whole(v3_root: str, tmp_path: Path) -> None:
+    done = subprocess.run([SCRIPT, "verify", v3_root], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    dest = str(tmp_path / "copy")
+    done = subprocess.run([SCRIPT, "copy", v3_root, "4", dest], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    shutil.rmtree(v3_root)
+
+    async def main() -> dict:
+        async with AsyncCheckpointManager(dest, read_only=True) as mgr:
+            return await mgr.load()
+
+    assert torch.equal(anyio.run(main)["big"], torch.arange(262144, dtype=torch.float32))

@@ -14,6 +14,7 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
+from _support.daemon import daemon_in_process
 from _support.roots import flip_byte, manifest_of, step_numbers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -22,6 +23,7 @@ from aiockpt import AsyncCheckpointManager, LatestN
 from aiockpt._core import format as fmt
 from aiockpt._core.blocks import BLOCK_BYTES, SMALL_BYTES, cut_blocks
 from aiockpt.errors import CorruptCheckpointError
+from aiockpt.storage import LocalStorage
 
 SCRIPT = str(Path(sys.executable).parent / "aiockpt")
 MiB = 1 << 20
@@ -285,3 +287,108 @@ def test_blocks_tile_the_data_section():
     big_lo = spans[1][0]
     assert (big_lo, big_lo + BLOCK_BYTES) in blocks  # the big tensor starts a block
     assert all(hi - lo <= BLOCK_BYTES for lo, hi in blocks)
+
+
+class Dies(LocalStorage):
+    """A local root whose process dies (a BaseException nothing catches) at its
+    ``at``-th deletion: the deletions before it happened, none after."""
+
+    def __init__(self, root: str, at: int) -> None:
+        super().__init__(root)
+        self.at, self.deletes = at, 0
+
+    def delete(self, path: str, *, recursive: bool = False) -> None:
+        if self.deletes == self.at:
+            raise Died(path)
+        self.deletes += 1
+        super().delete(path, recursive=recursive)
+
+
+class Died(BaseException):
+    pass
+
+
+@pytest.mark.slow
+def test_retention_killed_between_any_two_deletions_keeps_every_kept_step(tmp_path):
+    """Five saves, each referring to the first's big tensor; a retention pass keeping one is
+    stopped before each of its deletions in turn. Every step still committed loads exactly
+    and verifies, and a later open cleans up what nothing refers to."""
+    template = str(tmp_path / "template")
+    big, small = torch.randn(512, 1024), torch.zeros(16)
+    saved = {}
+
+    async def save() -> None:
+        async with AsyncCheckpointManager(template) as mgr:
+            for step in range(1, 6):
+                small[step] = step
+                await (await mgr.save(step, {"big": big, "small": small, "step": step}))
+                saved[step] = small.clone()
+
+    anyio.run(save)
+    total = None
+    at = 0
+    while total is None or at <= total:
+        root = str(tmp_path / f"cut{at}")
+        shutil.copytree(template, root)
+        storage = Dies(root, at)
+        with daemon_in_process(root, LatestN(1), storage) as daemon:
+            try:
+                daemon.pruner.apply("uuid", 5)
+            except Died:
+                pass
+            else:
+                total = storage.deletes  # the whole pass: the cuts to try
+        committed = [
+            s
+            for s in step_numbers(root)
+            if os.path.exists(manifest := os.path.join(root, fmt.step_dirname(s), fmt.MANIFEST))
+        ]
+        assert 5 in committed, manifest
+
+        async def check(root: str = root, committed: list[int] = committed) -> list[int]:
+            async with AsyncCheckpointManager(root) as mgr:  # collects what is dead
+                for step in committed:
+                    got = await mgr.load(step)
+                    assert torch.equal(got["big"], big)
+                    assert torch.equal(got["small"], saved[step])
+                return await mgr.steps()
+
+        assert anyio.run(check) == committed
+        assert cli("verify", root).returncode == 0
+        at += 1
+    assert total is not None
+    assert total >= 4  # four manifests at least, and then the files
+
+
+def hostile(mutate) -> str:
+    """The message parse_manifest refuses a v3 manifest with once ``mutate`` changed it."""
+    fixture = Path(__file__).parent / "fixtures" / "format_v3" / "step_000000000004"
+    raw = json.loads((fixture / fmt.MANIFEST).read_text())
+    mutate(raw, raw["shards"][0])
+    with pytest.raises(CorruptCheckpointError) as e:
+        fmt.parse_manifest(json.dumps(raw).encode(), path="m.json", step=4)
+    return str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "why"),
+    [
+        (
+            lambda m, s: s["blocks"][0].__setitem__(
+                2, "step_000000000004/shard_r00000.safetensors"
+            ),
+            "not another step's shard file",
+        ),
+        (lambda m, s: s["blocks"][0].__setitem__(2, "../etc/passwd"), "not another step's"),
+        (lambda m, s: s["blocks"][1].__setitem__(3, 0), "overlap"),  # over the header
+        (lambda m, s: s["blocks"][1].__setitem__(3, 4100), "outside its file"),
+        (lambda m, s: s["blocks"][0].__setitem__(0, 1 << 30), "more bytes than the shard"),
+        (lambda m, s: s["blocks"][0].__setitem__(1, "xyz"), "32 hex digits"),
+        (lambda m, s: s["blocks"].append([8, "0" * 32, "", 0, 1]), "malformed block"),
+        (lambda m, s: s.__setitem__("stored", 1 << 40), "bad stored size"),
+        (lambda m, s: s.__setitem__("blocks", []), "not a non-empty list"),
+        (lambda m, s: m.__setitem__("version", 1), "is its own file, in order"),
+    ],
+)
+def test_hostile_block_tables_are_refused(mutate, why):
+    assert why in hostile(mutate)
