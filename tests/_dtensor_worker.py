@@ -270,9 +270,41 @@ async def bad_saves(rank: int, world: int, root: str, args: dict) -> dict:
     return out
 
 
+async def dedup_saves(rank: int, world: int, root: str, args: dict) -> dict:
+    """Three saves of a frozen sharded table, a replicated one and a small trainable part:
+    the bytes each rank wrote per save, and what a load of the last one restored."""
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(5)
+    frozen = distribute_tensor(torch.randn(1024, 512, generator=g), mesh, [Shard(0)])
+    shared = distribute_tensor(torch.randn(512, 512, generator=g), mesh, [Replicate()])
+    small = distribute_tensor(torch.zeros(8, 16), mesh, [Shard(0)])
+    written: dict[int, int] = {}
+
+    def on_event(event) -> None:
+        if event.name == "save.written":
+            written[event.step] = event.written_nbytes
+
+    async with AsyncCheckpointManager(root, dist_timeout=60, event_handlers=[on_event]) as mgr:
+        for step in (1, 2, 3):
+            small.to_local().add_(step)
+            state = {"frozen": frozen, "shared": shared, "small": small}
+            await (await mgr.save(step, state))
+        target = {
+            "frozen": distribute_tensor(torch.zeros(1024, 512), mesh, [Shard(0)]),
+            "shared": distribute_tensor(torch.zeros(512, 512), mesh, [Replicate()]),
+            "small": distribute_tensor(torch.zeros(8, 16), mesh, [Shard(0)]),
+        }
+        await mgr.load(3, into=target)
+    return {
+        "written": written,
+        "equal": {k: torch.equal(target[k].full_tensor(), state[k].full_tensor()) for k in state},
+    }
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
+        dedup_saves,
         fsdp_save,
         fsdp_load,
         fsdp_load_lastdim,

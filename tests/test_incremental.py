@@ -15,6 +15,7 @@ import anyio
 import pytest
 import torch
 from _support.daemon import daemon_in_process
+from _support.ranks import run_ranks
 from _support.roots import flip_byte, manifest_of, step_numbers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -392,3 +393,27 @@ def hostile(mutate) -> str:
 )
 def test_hostile_block_tables_are_refused(mutate, why):
     assert why in hostile(mutate)
+
+
+@pytest.mark.slow
+def test_ranks_refer_to_their_unchanged_chunks(tmp_path, root):
+    """Two real gloo ranks: after the first save neither rank writes its chunk of a frozen
+    sharded table nor the replicated table again; the last step loads back equal on both
+    ranks, and whole in one plain process."""
+    out = run_ranks("_dtensor_worker.py", "dedup_saves", 2, tmp_path, root, timeout=240)
+    for rank in out:
+        assert all(rank["equal"].values()), rank["equal"]
+        assert rank["written"]["1"] > 1 << 20  # its 1 MiB chunk of the frozen table, at least
+        assert rank["written"]["2"] < 64 << 10
+        assert rank["written"]["3"] < 64 << 10
+    assert manifest_of(root, 3)["version"] == fmt.REFS_VERSION
+
+    async def load() -> dict:
+        async with AsyncCheckpointManager(root, read_only=True) as mgr:
+            return await mgr.load(3)
+
+    whole = anyio.run(load)
+    g = torch.Generator().manual_seed(5)
+    assert torch.equal(whole["frozen"], torch.randn(1024, 512, generator=g))
+    assert torch.equal(whole["shared"], torch.randn(512, 512, generator=g))
+    assert torch.equal(whole["small"], torch.full((8, 16), 6.0))
