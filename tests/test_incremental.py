@@ -417,3 +417,19 @@ def test_ranks_refer_to_their_unchanged_chunks(tmp_path, root):
     assert torch.equal(whole["frozen"], torch.randn(1024, 512, generator=g))
     assert torch.equal(whole["shared"], torch.randn(512, 512, generator=g))
     assert torch.equal(whole["small"], torch.full((8, 16), 6.0))
+
+
+def test_a_base_deleted_behind_the_runs_back_is_not_referred_to(root):
+    """`aiockpt prune --force` (or a hand) deleted the step the next save would refer to: that
+    save writes everything, and loads."""
+    state = {"w": torch.randn(512, 1024)}
+
+    async def main() -> dict:
+        async with AsyncCheckpointManager(root) as mgr:
+            await (await mgr.save(1, state))
+            shutil.rmtree(os.path.join(root, fmt.step_dirname(1)))
+            await (await mgr.save(2, state))
+            return await mgr.load(2)
+
+    assert torch.equal(anyio.run(main)["w"], state["w"])
+    assert manifest_of(root, 2)["version"] == 1

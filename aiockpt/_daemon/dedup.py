@@ -59,17 +59,19 @@ class Base:
     where: dict[tuple[int, str], tuple[str, int]]
     #: (length, sample) of the blocks whose bytes this writer saw; None after a restart.
     samples: set[tuple[int, bytes]] | None
+    #: The committed step these blocks are of (None: nothing to refer to).
+    step: int | None = None
 
     @classmethod
     def empty(cls) -> Base:
         return cls({}, set())
 
     @classmethod
-    def of_shard(cls, step_dir: str, shard: fmt.ShardRecord) -> Base:
+    def of_shard(cls, step: int, shard: fmt.ShardRecord) -> Base:
         """The blocks of a committed shard read back from its manifest (no samples)."""
-        own = f"{step_dir}/{shard.file}"
+        own = f"{fmt.step_dirname(step)}/{shard.file}"
         where = {(b.length, b.digest): (b.source or own, b.offset) for b in shard.blocks}
-        return cls(where, None)
+        return cls(where, None, step)
 
     def lengths(self) -> set[int]:
         return {length for length, _ in self.where}
@@ -88,7 +90,7 @@ class Plan(Sequence[memoryview]):
         base: Base,
         pool: ThreadPoolExecutor,
     ) -> None:
-        self.data = data
+        self.data = data[:]  # a view of its own, released when the plan is done
         self.base = base
         self.blocks = bl.cut_blocks(layout_spans, data_start, len(data))
         self.data_start = data_start
@@ -163,9 +165,13 @@ class Plan(Sequence[memoryview]):
         for f in self._hashes.values():
             f.exception()
 
-    def table(self, own: str) -> tuple[list[bl.Block], int, Base]:
+    def release(self) -> None:
+        """Let go of the slab: a view kept (by a traceback, say) would keep it mapped."""
+        self.data.release()
+
+    def table(self, own: str, step: int) -> tuple[list[bl.Block], int, Base]:
         """Once written: the block table, the own file's size, and the base for the next
-        save (``own``: this shard's path relative to the root)."""
+        save (``own``: this shard's path relative to the root, of step ``step``)."""
         where: dict[int, tuple[str, int]] = {}
         run_at, at = [], 0  # where each run starts in the own file
         for lo, hi in self._runs:
@@ -193,9 +199,12 @@ class Plan(Sequence[memoryview]):
             table.append(bl.Block(hi - lo, h, source, offset))
             nxt.setdefault((hi - lo, h), (source or own, offset))
         samples = {(hi - lo, s) for (lo, hi), s in zip(self.blocks, self.samples, strict=True)}
-        return table, at, Base(nxt, samples)
+        return table, at, Base(nxt, samples, step)
 
 
 def shard_fields(table: list[bl.Block], stored: int) -> dict[str, Any]:
-    """The manifest's fields of a deduplicated shard."""
+    """The manifest's fields of a deduplicated shard (none for a shard without data, whose
+    own file is its header)."""
+    if not table:
+        return {}
     return {"stored": stored, "blocks": [b.json() for b in table]}

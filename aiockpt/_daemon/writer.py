@@ -120,16 +120,15 @@ class Writer:
             self._fence(req, f"write step {req.step}")
             self.storage.makedirs(step_dir)
             created_dir = True
-            (tensors, shard_crc, dtensors), blocks = self._write_shard(step_dir, seg, layout)
+            (tensors, shard_crc, dtensors), table, base = self._write_shard(req.step, seg, layout)
             self.outbox.send(SlabFree(req.slab))
             slab_free = True
             written = time.monotonic()
             nbytes = layout.msg.file_size
-            stored = nbytes if blocks is None else blocks[0]["stored"]
+            stored = table.get("stored", nbytes)
             self._event("save.written", req, written - t0, nbytes, written_nbytes=stored)
             shard = {"file": self.shard, "rank": self.rank, "nbytes": nbytes, "crc32c": shard_crc}
-            if blocks is not None:
-                shard.update(blocks[0])
+            shard.update(table)
             if self.coord is not None:
                 created_dir = False  # other ranks write here too: never removed by one of them
             try:
@@ -140,8 +139,8 @@ class Writer:
                 created_dir = False
                 raise
             created_dir = False  # committed: never cleaned up as a partial
-            if blocks is not None:
-                self.base = blocks[1]  # the next save refers to what this one committed
+            if base is not None:
+                self.base = base  # the next save refers to what this one committed
             self.pruner.committed(CheckpointRecord(req.step, created_at, dict(req.metrics)))
             self._event("save.committed", req, time.monotonic() - written, nbytes)
             info = CheckpointInfo(
@@ -174,12 +173,13 @@ class Writer:
         return tree, layout
 
     def _write_shard(
-        self, step_dir: str, seg: Segment, layout: Layout
-    ) -> tuple[tuple[str, int, str], tuple[dict[str, object], Base] | None]:
+        self, step: int, seg: Segment, layout: Layout
+    ) -> tuple[tuple[str, int, str], dict[str, object], Base | None]:
         """Write the slab's bytes as the shard, checksumming them meanwhile; with
-        deduplication, only the blocks the base does not hold (see dedup.py), and then also
-        the shard's block-table fields and the base the next save will use."""
-        path = f"{step_dir}/{self.shard}"
+        deduplication, only the blocks the base does not hold (see dedup.py). Returns the
+        checksums, the shard's block-table fields (none without deduplication, or without
+        a byte of data) and the base the next save will use (None: unchanged)."""
+        path = f"{fmt.step_dirname(step)}/{self.shard}"
         with seg.buf[: layout.msg.file_size] as data:
             if not self.dedup:
                 crcs = self.pool.submit(checksums, data, layout)
@@ -187,23 +187,26 @@ class Writer:
                     self.storage.write_file(path, [data])
                 finally:
                     result = crcs.result()  # never leave the view to a running thread
-                return result, None
+                return result, {}, None
             start = layout.msg.data_start
             spans = sorted((start + s[3], start + s[4]) for s in layout.msg.specs)
-            plan = Plan(data, spans, start, self._base(), self.pool)
+            plan = Plan(data, spans, start, self._base(step), self.pool)
             crcs = self.pool.submit(checksums, data, layout)
             plan.hash_rest()
             try:
                 self.storage.write_file(path, plan)
+                table, stored, base = plan.table(path, step)
             finally:
                 result = crcs.result()
                 plan.wait()
-            table, stored, base = plan.table(path)
-        return result, (shard_fields(table, stored), base)
+                plan.release()
+        return result, shard_fields(table, stored), base
 
-    def _base(self) -> Base:
-        """What the next save deduplicates against: read from the newest committed step the
-        first time (this rank's shard of it; nothing when it has no block table)."""
+    def _base(self, step: int) -> Base:
+        """What a save of ``step`` deduplicates against: the blocks of this rank's shard of
+        the step this writer committed last, read from the newest committed step the first
+        time. Nothing when that step is gone (deleted behind the run's back: its files may
+        be too) or is ``step`` itself."""
         if self.base is None:
             self.base = Base.empty()
             steps = self.catalog.committed_steps()
@@ -214,7 +217,12 @@ class Writer:
                 except (CheckpointError, KeyError):
                     pass  # an unreadable newest step: this save writes everything
                 else:
-                    self.base = Base.of_shard(fmt.step_dirname(steps[-1]), shard)
+                    self.base = Base.of_shard(steps[-1], shard)
+        gone = self.base.step is not None and (
+            self.base.step == step or not self.catalog.is_committed(self.base.step)
+        )
+        if gone:
+            self.base = Base.empty()
         return self.base
 
     def _fence(self, req: SaveReq, what: str) -> None:
