@@ -26,7 +26,7 @@ import errno as errno_mod
 import logging
 import random
 import traceback
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -169,6 +169,10 @@ class AzureStorage:
                 if attempt >= self.options.retries or not is_transient(e):
                     raise GaveUp(op, key, e, attempt + 1) from e
                 log.debug("%s %s: %s; retry %d", op, self.where(key), e, attempt + 1)
+                # Dropped, but not freed: azure-core's retry policy keeps the error in its
+                # history, which a frame of the error's own traceback holds, a cycle only the
+                # garbage collector ends; and those frames hold views of the caller's buffers.
+                _clear_frames(e)
             await asyncio.sleep(self._delay(attempt))
             attempt += 1
 
@@ -274,13 +278,11 @@ class AzureStorage:
             await blob.stage_block(block_id, body, length=len(data), retry_total=0)
         finally:
             # aiohttp may leave its writer task sending the body after a failed request; it
-            # holds a view of the caller's memory until it ends.
-            me = asyncio.current_task()
-            left = [t for t in writers if t is not me and not t.done()]
-            for t in left:
-                t.cancel()
-            if left:
-                await asyncio.wait(left)
+            # holds a view of the caller's memory until it ends, and its error, with the
+            # frames it went through, until the error is taken.
+            for e in await _settle(writers):
+                _clear_frames(e)
+            writers.clear()
             with contextlib.suppress(RuntimeError):
                 await body.aclose()
 
@@ -493,12 +495,38 @@ async def _gather_or_cancel(coros: list[Awaitable[None]]) -> None:
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
     finally:
-        for t in tasks:
+        errors = await _settle(tasks)
+    if errors:
+        for e in errors[1:]:
+            _clear_frames(e)  # not raised, and its frames hold views of the caller's buffers
+        raise errors[0]
+
+
+async def _settle(tasks: Iterable[asyncio.Task[Any]]) -> list[BaseException]:
+    """Cancel ``tasks``, wait until all have ended, and take what they raised (cancellations
+    and ``CancelledError`` aside, whose frames are cleared): a task that ended with an error
+    keeps it, with the frames it went through, until its error is taken."""
+    tasks = list(tasks)
+    me = asyncio.current_task()
+    try:
+        left = [t for t in tasks if t is not me and not t.done()]
+        for t in left:
             t.cancel()
-        await asyncio.wait(tasks)
-    for t in tasks:
-        if not t.cancelled() and t.exception() is not None:
-            raise t.exception()  # type: ignore[misc]
+        if left:
+            await asyncio.wait(left)
+        errors: list[BaseException] = []
+        for t in tasks:
+            if t is me or not t.done():
+                continue
+            try:
+                t.result()
+            except asyncio.CancelledError as e:
+                _clear_frames(e)
+            except BaseException as e:
+                errors.append(e)
+        return errors
+    finally:
+        tasks = left = me = None  # type: ignore[assignment]
 
 
 def _clear_frames(e: BaseException | None) -> None:
