@@ -101,6 +101,8 @@ def _reason(e: BaseException, bucket: str) -> tuple[str, int]:
         return f"access denied ({e})", errno_mod.EACCES
     if code == "InvalidRange":
         return "the object ends before the requested range", errno_mod.EIO
+    if code == "PreconditionFailed" or status == 412:  # a read's If-Match: another version
+        return "the object changed while it was being read", errno_mod.EIO
     if code in ("NotImplemented", "InvalidArgument", "InvalidRequest") and "hecksum" in str(e):
         return (
             f"the server refused the request ({e}); if it does not accept S3's additional "

@@ -10,6 +10,7 @@ MiB = 1024 * 1024
 MIN_PART = 5 * MiB  # S3's minimum for every part but the last
 MAX_PART = 5 * 1024 * MiB
 MAX_PARTS = 10_000
+MIN_READ_PART = 64 * 1024
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,8 +22,13 @@ class S3Options:
     part_size: int = 16 * MiB
     #: Files of at least this many bytes go up as multipart uploads, smaller ones in one PUT.
     multipart_threshold: int = 16 * MiB
-    #: Parts uploaded (and ranges downloaded) at once, per file.
+    #: Parts uploaded at once, per file.
     concurrency: int = 8
+    #: Bytes per ranged GET of a read (a load): a read of more is split into parts of this
+    #: size, fetched concurrently straight into the caller's buffer, each retried on its own.
+    read_part_size: int = 8 * MiB
+    #: Ranged GETs in flight at once, per read.
+    read_concurrency: int = 8
     #: Retries of one request after a transient error (throttling, 5xx, connection errors).
     retries: int = 5
     #: First backoff in seconds; doubles each retry, jittered, capped at ``max_backoff``.
@@ -45,6 +51,8 @@ class S3Options:
         _int("part_size", MIN_PART, MAX_PART)
         _int("multipart_threshold", 1)
         _int("concurrency", 1, 1024)
+        _int("read_part_size", MIN_READ_PART, MAX_PART)
+        _int("read_concurrency", 1, 1024)
         _int("retries", 0, 100)
         for name in ("backoff", "max_backoff"):
             value = getattr(self, name)

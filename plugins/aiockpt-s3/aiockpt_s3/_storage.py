@@ -3,8 +3,10 @@
 s3fs gives us credentials, endpoint and client configuration, and its IO event loop (a
 dedicated thread); the transfers are ours. Large files go up as multipart uploads whose parts
 are sent concurrently straight from the caller's buffers (s3fs's file-like write path sends
-parts one at a time). Every request is retried on transient errors with bounded, jittered
-backoff; the caller, a plain thread in the daemon, only ever waits on the loop.
+parts one at a time); large reads come down as ranged GETs run concurrently, each streamed
+straight into its slice of the caller's buffer. Every request is retried on transient errors
+with bounded, jittered backoff; the caller, a plain thread in the daemon, only ever waits on
+the loop.
 
 The pieces: ``_options`` (S3Options), ``_errors`` (what failures mean), ``_retry`` (the
 retries), ``_client`` (requests to the bucket), ``_transfer`` (bodies and checksums),
@@ -76,7 +78,8 @@ class S3Storage:
         cfg["parameter_validation"] = False
         # We retry ourselves (bounded, with backoff); botocore's retries would multiply ours.
         cfg.setdefault("retries", {"total_max_attempts": 1})
-        cfg.setdefault("max_pool_connections", max(10, 2 * self.options.concurrency))
+        most = max(self.options.concurrency, self.options.read_concurrency)
+        cfg.setdefault("max_pool_connections", max(10, 2 * most))
         # botocore would otherwise compute its own CRC32 over every body we send.
         cfg.setdefault("request_checksum_calculation", "when_required")
         # Bodies are sent from memory as they are and never SHA-256 hashed for the signature:
@@ -236,7 +239,12 @@ class S3Storage:
 
     async def _readinto(self, key: str, offset: int, out: memoryview) -> None:
         await download_into(
-            self._client, key, offset, out, self.options.part_size, self.options.concurrency
+            self._client,
+            key,
+            offset,
+            out,
+            self.options.read_part_size,
+            self.options.read_concurrency,
         )
 
     def size(self, path: str) -> int:
