@@ -1,9 +1,11 @@
 """A real S3 server for tests: moto's server mode over HTTP on 127.0.0.1, in a thread.
 
 ``S3Server`` serves moto's S3 with a hook called on every request (to act at a precise
-moment, say the third part of an upload). ``Gate`` is a TCP relay in front of it that can
-go down (listening socket closed, live connections reset) and come back on the same port,
-which is what a client sees of a server that stops; moto's state lives on behind it.
+moment, say the third part of an upload), which may have the server answer an error
+(``ErrorReply``) or cut its reply short and drop the connection (``CutReply``). ``Gate`` is
+a TCP relay in front of it that can go down (listening socket closed, live connections
+reset) and come back on the same port, which is what a client sees of a server that stops;
+moto's state lives on behind it.
 """
 
 from __future__ import annotations
@@ -36,6 +38,16 @@ class ErrorReply(Exception):
         self.status, self.code = status, code
 
 
+class CutReply(Exception):
+    """Raised by an ``on_request`` hook: the server sends moto's reply with its status, its
+    headers (the full Content-Length among them) and only the first ``keep`` bytes of its body,
+    then closes the connection, as a server that dies or a network that drops mid-reply."""
+
+    def __init__(self, keep: int) -> None:
+        super().__init__(keep)
+        self.keep = keep
+
+
 class S3Server:
     """moto's S3 at ``endpoint``; ``on_request(environ)`` sees every request first."""
 
@@ -63,7 +75,22 @@ class S3Server:
             ).encode()
             start_response(f"{r.status} Injected", [("Content-Type", "application/xml")])
             return [body]
+        except CutReply as c:
+            return self._cut(environ, start_response, c.keep)
         return self._app(environ, start_response)
+
+    def _cut(self, environ: dict[str, Any], start_response: Any, keep: int) -> Any:
+        """moto's reply to the request, cut after ``keep`` bytes of its body."""
+        reply: list[Any] = []
+        body = b"".join(
+            self._app(environ, lambda status, headers, *_: reply.extend([status, headers]))
+        )
+        start_response(*reply)
+        yield body[:keep]
+        # The server's end of the connection closes: the client gets the bytes sent so far,
+        # then the end of the stream, short of the Content-Length it was told.
+        with contextlib.suppress(OSError):
+            environ["werkzeug.socket"].shutdown(socket.SHUT_RDWR)
 
     def client(self, endpoint: str | None = None) -> Any:
         """A plain boto3 client of this server, to look behind the storage's back."""

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import errno
+import itertools
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from _s3server import ErrorReply, Gate, S3Server, is_upload_part
+from _s3server import CutReply, ErrorReply, Gate, S3Server, is_upload_part
 
 import aiockpt_s3
 from aiockpt import AsyncCheckpointManager
@@ -77,6 +78,10 @@ def test_bad_options_are_refused(s3: S3Server) -> None:
         open_storage("s3://b/x", s3.options(part_size=1024))
     with pytest.raises(ValueError, match="concurrency"):
         open_storage("s3://b/x", s3.options(concurrency=0))
+    with pytest.raises(ValueError, match="read_part_size"):
+        open_storage("s3://b/x", s3.options(read_part_size=1024))
+    with pytest.raises(ValueError, match="read_concurrency"):
+        open_storage("s3://b/x", s3.options(read_concurrency=0))
     with pytest.raises(ValueError, match="checksum"):
         open_storage("s3://b/x", s3.options(checksum="md5"))
     with pytest.raises(ValueError, match="no bucket"):
@@ -141,6 +146,54 @@ def test_parts_go_up_concurrently_with_crc32c(s3: S3Server, bucket: str) -> None
     obj = s3.client().get_object(Bucket=bucket, Key="run/shard.bin")["Body"].read()
     assert obj == data
     assert _uploads(s3, bucket) == []
+
+
+def _ranged_get(environ: dict[str, Any]) -> str | None:
+    """The Range header of a GET of an object, if it is one."""
+    if environ["REQUEST_METHOD"] != "GET" or environ.get("QUERY_STRING"):
+        return None
+    return environ.get("HTTP_RANGE")
+
+
+def test_reads_are_concurrent_ranged_gets(s3: S3Server, bucket: str) -> None:
+    """A large read: equal parts of at most read_part_size, read_concurrency in flight."""
+    data = bytes(range(256)) * (40 * 1024)  # 10 MiB: four parts of 2.5 MiB
+    storage = open_storage(
+        f"s3://{bucket}/run", s3.options(**FAST, read_part_size=3 * MiB, read_concurrency=3)
+    )
+    lock = threading.Lock()
+    ranges: list[str] = []
+    seen = {"active": 0, "peak": 0}
+    all_in = threading.Event()
+
+    def hook(environ: dict[str, Any]) -> None:
+        rng = _ranged_get(environ)
+        if rng is None:
+            return
+        with lock:
+            ranges.append(rng)
+            seen["active"] += 1
+            seen["peak"] = max(seen["peak"], seen["active"])
+            if seen["active"] == 3:
+                all_in.set()
+        all_in.wait(timeout=10)  # hold each GET until three are in flight
+        with lock:
+            seen["active"] -= 1
+
+    try:
+        storage.write_file("shard.bin", [memoryview(data)])
+        s3.on_request = hook
+        buf = bytearray(len(data) - 100)
+        storage.readinto("shard.bin", 100, memoryview(buf))
+    finally:
+        s3.on_request = None
+        storage.close()
+    assert bytes(buf) == data[100:]
+    size = len(data) - 100
+    assert sorted(ranges, key=lambda r: int(r[6:].split("-")[0])) == [
+        f"bytes={100 + size * i // 4}-{100 + size * (i + 1) // 4 - 1}" for i in range(4)
+    ]
+    assert seen["peak"] == 3
 
 
 def test_small_files_are_single_puts(s3: S3Server, bucket: str) -> None:
@@ -232,6 +285,71 @@ def test_retries_are_bounded_and_the_upload_aborted(s3: S3Server, bucket: str) -
     assert "s3://" + bucket + "/run/step_1/shard.bin" in str(info.value)
     assert "after 3 attempts" in str(info.value)
     assert _uploads(s3, bucket) == []
+
+
+class _FlakyRanges:
+    """Fails the first try of every other ranged GET of a shard, alternately with a 500 and
+    with a reply cut halfway (the connection dropped); records every ranged GET."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.gets: list[str] = []
+        self.failed: dict[str, str] = {}  # range: "500" or "cut"
+        self._seen = 0
+
+    def __call__(self, environ: dict[str, Any]) -> None:
+        rng = _ranged_get(environ)
+        if rng is None or not environ.get("PATH_INFO", "").endswith(".safetensors"):
+            return
+        last = rng.rpartition("-")[2]
+        with self.lock:
+            self.gets.append(rng)
+            if any(r.endswith(f"-{last}") for r in self.failed):
+                return  # a retry
+            self._seen += 1
+            if self._seen % 2:
+                return
+            how = self.failed[rng] = "500" if self._seen % 4 else "cut"
+        if how == "500":
+            raise ErrorReply(500)
+        first, last = (int(x) for x in rng[6:].split("-"))
+        raise CutReply(keep=(last - first + 1) // 2)
+
+
+@pytest.mark.anyio
+async def test_a_load_survives_failed_range_requests(s3: S3Server, bucket: str) -> None:
+    """Ranged GETs that fail once (a 500, or a reply cut short by a dropped connection) are
+    retried part by part: the load through the manager is bit-exact, and the server saw each
+    failed range again (a cut one from where it stopped)."""
+    options = s3.options(**FAST, read_part_size=MiB, read_concurrency=4)
+    state = _state(3 * MiB, 7)  # 12 MiB of floats: twelve ranged GETs
+    flaky = _FlakyRanges()
+    async with AsyncCheckpointManager(f"s3://{bucket}/run", storage_options=options) as mgr:
+        await (await mgr.save(1, state))
+        s3.on_request = flaky
+        try:
+            loaded = await mgr.load(1)
+        finally:
+            s3.on_request = None
+    assert torch.equal(loaded["w"], state["w"])
+    assert torch.equal(loaded["b"], state["b"])
+    assert list(flaky.failed.values()).count("500") >= 2
+    assert list(flaky.failed.values()).count("cut") >= 2
+    spans = [tuple(int(x) for x in r[6:].split("-")) for r in flaky.gets]
+    firsts = sorted({last: first for first, last in sorted(spans, reverse=True)}.items())
+    # the first tries tile the shard's tensor bytes, in parts of at most 1 MiB
+    assert all(a[0] + 1 == b[1] for a, b in itertools.pairwise(firsts))
+    assert all(last - first < MiB for last, first in firsts)
+    assert sum(last - first + 1 for last, first in firsts) >= 12 * MiB
+    for rng, how in flaky.failed.items():
+        first, last = spans[flaky.gets.index(rng)]
+        again = [s for s in spans if s[1] == last][1:]
+        assert len(again) == 1, (rng, flaky.gets)  # one retry of the part
+        if how == "500":
+            assert again[0][0] == first  # the whole part again
+        else:  # the rest of it: from at most where the cut came
+            assert first <= again[0][0] <= first + (last - first + 1) // 2
+    assert len(flaky.gets) == len(firsts) + len(flaky.failed)
 
 
 # ------------------------------------------------------------------- the manager on S3
