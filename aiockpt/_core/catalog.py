@@ -149,12 +149,12 @@ class Catalog:
                 return None
         return self._refs[step]
 
-    def referenced(self) -> frozenset[str] | None:
-        """Every file (a path relative to the root) that a committed step reads from another
-        step's directory; None when a committed manifest cannot be read, so that no file is
-        known to be unreferenced."""
+    def referenced(self, committed: Iterable[int] | None = None) -> frozenset[str] | None:
+        """Every file (a path relative to the root) that a committed step (of ``committed``,
+        all of them when None) reads from another step's directory; None when a committed
+        manifest cannot be read, so that no file is known to be unreferenced."""
         refs: set[str] = set()
-        for step in self.committed_steps():
+        for step in self.committed_steps() if committed is None else committed:
             known = self._step_refs(step)
             if known is None:
                 if self.is_committed(step):
@@ -163,11 +163,12 @@ class Catalog:
             refs |= known
         return frozenset(refs)
 
-    def sweep(self, step: int) -> bool:
+    def sweep(self, step: int, refs: frozenset[str] | None = None) -> bool:
         """Remove what a step directory without a manifest holds, except the files a
-        committed step reads from; whether the directory is gone. When a committed manifest
-        cannot be read, every file stays (it may be unreadable only for now)."""
-        refs = self.referenced()
+        committed step reads from (``refs``, found when None); whether the directory is gone.
+        When a committed manifest cannot be read, every file stays (it may be unreadable
+        only for now)."""
+        refs = self.referenced() if refs is None else refs
         if refs is None:
             return False
         dirname = fmt.step_dirname(step)
@@ -202,9 +203,12 @@ class Catalog:
         starts in between is seen as busy rather than its directory as dead."""
         step_dirs = self.step_dirs()
         removed = []
-        for step in collectable_partials(step_dirs, busy(), everything=everything):
-            if self.sweep(step):
-                removed.append(step)
+        collectable = collectable_partials(step_dirs, busy(), everything=everything)
+        if collectable:
+            refs = self.referenced(s for s, committed in step_dirs.items() if committed)
+            if refs is None:
+                return []  # nothing is known to be unreferenced
+            removed = [step for step in collectable if self.sweep(step, refs)]
         return removed
 
     # ----------------------------------------------------------------- verifying
