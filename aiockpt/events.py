@@ -102,6 +102,9 @@ class Event:
     #: On ``save.written``: the bytes this rank wrote, less than ``nbytes`` when blocks that a
     #: kept checkpoint already holds were referred to instead (deduplication).
     written_nbytes: int | None = None
+    #: On ``save.committed``: the storage operations this rank's daemon made for the save up
+    #: to its commit, by kind (``write_file``, ``exists``, ``list_dir``, ...).
+    requests: dict[str, int] | None = None
     where: str = "trainer"
     error: dict[str, str] | None = None
     #: On ``lease.*``: the generation of the root's lease this manager holds.
@@ -243,6 +246,7 @@ class EventDispatcher:
         generation: int | None = None,
         detail: str | None = None,
         written_nbytes: int | None = None,
+        requests: dict[str, int] | None = None,
     ) -> Event:
         if name not in EVENT_NAMES:
             raise ValueError(f"unknown event name {name!r}")
@@ -270,6 +274,7 @@ class EventDispatcher:
             nbytes=nbytes,
             read_nbytes=read_nbytes,
             written_nbytes=written_nbytes,
+            requests=requests,
             where=where,
             error=error,
             generation=generation,

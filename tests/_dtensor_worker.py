@@ -279,10 +279,13 @@ async def dedup_saves(rank: int, world: int, root: str, args: dict) -> dict:
     shared = distribute_tensor(torch.randn(512, 512, generator=g), mesh, [Replicate()])
     small = distribute_tensor(torch.zeros(8, 16), mesh, [Shard(0)])
     written: dict[int, int] = {}
+    requests: dict[int, dict[str, int]] = {}
 
     def on_event(event) -> None:
         if event.name == "save.written":
             written[event.step] = event.written_nbytes
+        if event.name == "save.committed":
+            requests[event.step] = event.requests
 
     async with AsyncCheckpointManager(root, dist_timeout=60, event_handlers=[on_event]) as mgr:
         for step in (1, 2, 3):
@@ -297,6 +300,7 @@ async def dedup_saves(rank: int, world: int, root: str, args: dict) -> dict:
         await mgr.load(3, into=target)
     return {
         "written": written,
+        "requests": requests,
         "equal": {k: torch.equal(target[k].full_tensor(), state[k].full_tensor()) for k in state},
     }
 

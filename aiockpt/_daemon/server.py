@@ -43,7 +43,7 @@ from .._core.protocol import (
     check_protocol,
 )
 from .._core.shm import trainer_segments, unlink
-from ..storage import Storage, open_storage
+from ..storage import CountingStorage, Storage, open_storage
 from .coord import Coordinator, no_fence
 from .lease import LeaseKeeper
 from .pipe import Outbox, remote_error
@@ -64,7 +64,9 @@ class Daemon:
         self.pipe = pipe
         self.cfg = cfg
         self.outbox = Outbox(pipe)
-        self.storage = open_storage(cfg.url, cfg.storage_options) if storage is None else storage
+        opened = open_storage(cfg.url, cfg.storage_options) if storage is None else storage
+        #: Every operation on the root is counted, per save too (see storage/_counting.py).
+        self.storage = CountingStorage(opened)
         self.catalog = Catalog(self.storage)
         self.slabs = Slabs()
         self.in_flight = InFlight()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import crc32c
@@ -23,6 +24,7 @@ from .._core.protocol import CheckpointInfo, Hello, LayoutMsg, SaveDone, SaveReq
 from .._core.shm import Segment
 from ..errors import CheckpointError, DistributedSaveError, LeaseLostError, StepExistsError
 from ..retention import CheckpointRecord
+from ..storage import CountingStorage
 from .coord import Coordinator, Fence, Part, merge, no_fence, publish_manifest
 from .dedup import Base, Plan, shard_fields
 from .pipe import Outbox, remote_error
@@ -108,6 +110,11 @@ class Writer:
     def save(self, req: SaveReq) -> None:
         """Write, commit and prune; the trainer hears :class:`SlabFree` as soon as the slab's
         bytes are durable, then one :class:`SaveDone`, whatever happens."""
+        counting = self.storage if isinstance(self.storage, CountingStorage) else None
+        with counting.scope() if counting is not None else contextlib.nullcontext() as counts:
+            self._save(req, counts)
+
+    def _save(self, req: SaveReq, counts: Counter[str] | None) -> None:
         t0 = time.monotonic()
         slab_free = False
         created_dir = False  # a directory this rank alone made, removed if the save fails
@@ -142,7 +149,10 @@ class Writer:
             if base is not None:
                 self.base = base  # the next save refers to what this one committed
             self.pruner.committed(CheckpointRecord(req.step, created_at, dict(req.metrics)))
-            self._event("save.committed", req, time.monotonic() - written, nbytes)
+            requests = None if counts is None else dict(counts)
+            self._event(
+                "save.committed", req, time.monotonic() - written, nbytes, requests=requests
+            )
             info = CheckpointInfo(
                 step=req.step,
                 url=self.catalog.where(step_dir),

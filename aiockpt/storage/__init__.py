@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from ._base import Storage
+from ._counting import CountingStorage
 from ._fsspec import FsspecStorage
 from ._local import LocalStorage
 from ._registry import ENTRY_POINT_GROUP, open_storage, register_storage, registered_protocols
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "CountingStorage",
     "FsspecStorage",
     "LocalStorage",
     "Storage",
