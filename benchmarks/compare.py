@@ -8,7 +8,11 @@ never fatal), each after one warm-up save, in one run:
 - ``torch_save``: ``torch.save`` of the state to a file, then fsync;
 - ``dcp_thread`` / ``dcp_process``: ``torch.distributed.checkpoint.async_save`` with the thread
   and the process executor, on a world-size-1 gloo group;
-- ``aiockpt``: ``await mgr.save(...)``, then ``await handle``.
+- ``aiockpt``: ``await mgr.save(...)``, then ``await handle``;
+- ``aiockpt_nodedup``: the same with ``dedup=False`` (every save writes its whole state): in
+  a scenario where nothing repeats, the two side by side show what hashing costs;
+- ``write_fsync_changed``: in the ``lora`` scenario only, a buffered write + fsync of the
+  bytes an optimizer step changes (the floor for an incremental save; see lora_bench.py).
 
 Figures: stall (until the call returns and the state may change), durable (until the bytes are
 fsynced / committed), the trainer thread's CPU share (``thread_time`` ÷ wall while a pure-Python
@@ -21,6 +25,7 @@ shard file, ``torch.load``, and DCP's ``load``.
     python benchmarks/compare.py --quick         # < 1 minute, writes bench-data/
     python benchmarks/compare.py --scenarios 1g --contenders memcpy,aiockpt --repeats 5
     python benchmarks/compare.py --scenarios reshard   # DTensors vs DCP: see reshard_bench.py
+    python benchmarks/compare.py --scenarios lora,1g --repeats 3   # incremental: lora_bench.py
 """
 
 from __future__ import annotations
@@ -45,19 +50,32 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import lora_bench
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 MiB = 1 << 20
 GiB = 1 << 30
 
-CONTENDERS = ("memcpy", "write_fsync", "torch_save", "dcp_thread", "dcp_process", "aiockpt")
+CONTENDERS = (
+    "memcpy",
+    "write_fsync_changed",
+    "write_fsync",
+    "torch_save",
+    "dcp_thread",
+    "dcp_process",
+    "aiockpt",
+    "aiockpt_nodedup",
+)
 LABELS = {
     "memcpy": "memcpy (floor)",
+    "write_fsync_changed": "write+fsync (changed bytes, floor)",
     "write_fsync": "write+fsync (floor)",
     "torch_save": "torch.save+fsync",
     "dcp_thread": "DCP async (thread)",
     "dcp_process": "DCP async (process)",
     "aiockpt": "aiockpt",
+    "aiockpt_nodedup": "aiockpt (dedup off)",
 }
 #: Contenders whose save call blocks until it is done: no loop runs during it.
 BLOCKING = {"memcpy", "write_fsync", "torch_save"}
@@ -69,17 +87,31 @@ class Scenario:
     label: str
     tensors: int
     nbytes: int
+    #: "plain": ``tensors`` tensors of ``nbytes`` in all, every byte changed between saves;
+    #: "lora": a frozen base of ``nbytes`` plus adapters and their moments (lora_bench.py).
+    kind: str = "plain"
+
+    def applies(self, contender: str) -> bool:
+        if self.kind == "lora":
+            return contender in lora_bench.APPLIES
+        return contender != "write_fsync_changed"  # every byte changes: the plain floor
+
+    def default(self, contender: str) -> bool:
+        return contender in lora_bench.DEFAULT if self.kind == "lora" else self.applies(contender)
 
 
+LORA_LABEL = "LoRA: {} frozen + adapters + AdamW moments, 10 saves"
 SCENARIOS = {
     "1g": Scenario("1g", "1 GiB / 64 tensors", 64, GiB),
     "20k": Scenario("20k", "256 MiB / 20k tensors", 20_000, 256 * MiB),
     "4g": Scenario("4g", "4 GiB / 64 tensors", 64, 4 * GiB),
+    "lora": Scenario("lora", LORA_LABEL.format("1 GiB"), 112, GiB, "lora"),
 }
 #: --quick: small sizes that keep the shape of each scenario, 4 GiB left out.
 QUICK = {
     "1g": Scenario("1g", "32 MiB / 64 tensors (quick)", 64, 32 * MiB),
     "20k": Scenario("20k", "4 MiB / 500 tensors (quick)", 500, 4 * MiB),
+    "lora": Scenario("lora", LORA_LABEL.format("32 MiB") + " (quick)", 112, 32 * MiB, "lora"),
 }
 
 
@@ -309,7 +341,9 @@ def _dcp(kind: str):
     return work
 
 
-def work_aiockpt(sc: Scenario, state: dict, d: str, reps: int, smp: Sampler, cache: str) -> dict:
+def work_aiockpt(
+    sc: Scenario, state: dict, d: str, reps: int, smp: Sampler, cache: str, dedup: bool = True
+) -> dict:
     import anyio
     import torch
 
@@ -320,9 +354,14 @@ def work_aiockpt(sc: Scenario, state: dict, d: str, reps: int, smp: Sampler, cac
 
     async def main() -> None:
         root = os.path.join(d, "aiockpt")
-        async with AsyncCheckpointManager(root) as mgr:
+        async with AsyncCheckpointManager(root, dedup=dedup) as mgr:
             await (await mgr.save(0, state))  # warm-up: slab allocated, layout cached
             for step in range(1, reps + 1):
+                # The trainer moves on before every save, the first measured one included:
+                # nothing repeats, so no save refers to the one before (incremental
+                # checkpoints are measured in the lora scenario).
+                for t in state.values():
+                    t.add_(1.0)
                 t0 = time.perf_counter()
                 handle = await mgr.save(step, state)
                 stall = time.perf_counter() - t0
@@ -332,9 +371,9 @@ def work_aiockpt(sc: Scenario, state: dict, d: str, reps: int, smp: Sampler, cac
                     await anyio.sleep(0)  # lets the manager's reader task see the commit
                 await handle
                 smp.background(stall, t0, cpu0, w0, iters)
-                for t in state.values():
-                    t.add_(1.0)
             out["helpers_peak_rss_mib"] = helpers_peak_mib()
+            if not dedup:
+                return  # the loads are aiockpt's, measured once
 
             shard = os.path.join(root, f"step_{reps:012d}", "shard_r00000.safetensors")
             buf = torch.empty(os.path.getsize(shard), dtype=torch.uint8)
@@ -382,11 +421,19 @@ WORKERS: dict[str, Callable[..., dict]] = {
     "dcp_thread": _dcp("thread"),
     "dcp_process": _dcp("process"),
     "aiockpt": work_aiockpt,
+    "aiockpt_nodedup": lambda *a: work_aiockpt(*a, dedup=False),
 }
 
 
 def worker_main(args: argparse.Namespace) -> None:
     sc = Scenario(**json.loads(args.worker_scenario))
+    if sc.kind == "lora":
+        idle = spin(args.idle) / args.idle
+        os.makedirs(args.dir, exist_ok=True)
+        extra = lora_bench.work(args.worker, sc.nbytes, args.dir, args.repeats, idle)
+        result = {**extra, "peak_rss_mib": peak_rss_mib(), "idle_rate": idle}
+        Path(args.worker_out).write_text(json.dumps(result))
+        return
     state = make_state(sc)
     base_rss = rss_mib()
     # The loop's idle rate, before and after: on a shared machine a single window is noisy,
@@ -424,7 +471,14 @@ def mem_available() -> int:
 
 #: Rough peak memory of a contender, in multiples of the state: the state plus its copies
 #: (a staged copy, a slab, DCP's copy in its worker process), with room to spare.
-MEM_FACTOR = {"memcpy": 2.2, "write_fsync": 2.2, "torch_save": 1.5, "aiockpt": 2.5}
+MEM_FACTOR = {
+    "memcpy": 2.2,
+    "write_fsync": 2.2,
+    "write_fsync_changed": 2.2,
+    "torch_save": 1.5,
+    "aiockpt": 2.5,
+    "aiockpt_nodedup": 2.5,
+}
 MEM_FACTOR_DEFAULT = 3.5
 
 
@@ -457,13 +511,15 @@ def run_contender(
         "--idle",
         str(args.idle),
     ]
+    # lora: the limit is per round of 10 saves.
+    limit = args.timeout * (args.repeats if sc.kind == "lora" else 1)
     t0 = time.monotonic()
     # Own session: on a timeout the whole group goes (DCP's worker, aiockpt's daemon).
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
     )
     try:
-        log, _ = proc.communicate(timeout=args.timeout)
+        log, _ = proc.communicate(timeout=limit)
         status = "ok" if proc.returncode == 0 else "failed"
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -477,7 +533,7 @@ def run_contender(
         result.update(status="ok", elapsed_s=elapsed)
         return result
     why = (
-        f"exceeded the {args.timeout:.0f} s limit"
+        f"exceeded the {limit:.0f} s limit"
         if status == "timeout"
         else f"exit code {proc.returncode}: {last_error(log.decode(errors='replace'))}"
     )
@@ -580,6 +636,7 @@ def targets(res: dict[str, dict[str, dict]]) -> list[dict[str, Any]]:
     add("load into existing / raw read at 1 GiB", into, 1.3)
     big = ratio(get("4g", "aiockpt", "stall"), ours["stall"])
     add("stall at 4 GiB / stall at 1 GiB", big, 4.4)
+    lora_bench.targets(res, add)
     return rows
 
 
@@ -596,6 +653,9 @@ def fmt_f(v: float | None, digits: int = 2) -> str:
 def markdown(report: dict[str, Any]) -> str:
     lines = []
     for sc in report["scenarios"].values():
+        if sc.get("kind") == "lora":
+            lines += lora_bench.markdown(sc, LABELS)
+            continue
         lines += [
             f"**{sc['label']}**",
             "",
@@ -715,10 +775,11 @@ def driver_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
         publish(report, out_dir, args.update_doc)
         return
     table = QUICK if args.quick else SCENARIOS
-    keys = args.scenarios.split(",") if args.scenarios else list(table)
+    # lora runs when asked for: its section of the docs is not the results region.
+    keys = args.scenarios.split(",") if args.scenarios else [k for k in table if k != "lora"]
     reshard = "reshard" in keys  # DTensor resharding: real ranks of its own, reshard_bench.py
     keys = [k for k in keys if k != "reshard"]
-    contenders = args.contenders.split(",")
+    contenders = args.contenders.split(",") if args.contenders else list(CONTENDERS)
     for k in keys:
         if k not in table:
             parser.error(f"unknown scenario {k!r}; choose from {', '.join(table)}, reshard")
@@ -751,16 +812,19 @@ def driver_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
         for k in keys:
             sc = table[k]
             if args.size_mib:
-                sc = Scenario(
-                    k,
-                    f"{args.size_mib} MiB / {sc.tensors} tensors",
-                    sc.tensors,
-                    args.size_mib * MiB,
+                label = (
+                    LORA_LABEL.format(f"{args.size_mib} MiB")
+                    if sc.kind == "lora"
+                    else f"{args.size_mib} MiB / {sc.tensors} tensors"
                 )
-            entry = {"label": sc.label, "nbytes": sc.nbytes, "tensors": sc.tensors}
+                sc = Scenario(k, label, sc.tensors, args.size_mib * MiB, sc.kind)
+            entry = {"label": sc.label, "nbytes": sc.nbytes, "tensors": sc.tensors, "kind": sc.kind}
             entry["contenders"] = {}
             report["scenarios"][k] = entry
             for c in contenders:
+                # Without --contenders, each scenario's own set; with it, those that apply.
+                if not (sc.applies(c) if args.contenders else sc.default(c)):
+                    continue
                 print(f"  {sc.label:<28} {LABELS[c]:<22}", end="", flush=True)
                 r = run_contender(c, sc, args, scratch)
                 entry["contenders"][c] = r
@@ -786,9 +850,16 @@ def main() -> None:
     )
     p.add_argument("--quick", action="store_true", help="small sizes, 1 repeat: under a minute")
     p.add_argument(
-        "--scenarios", default=None, help="comma-separated: 1g,20k,4g (default), reshard"
+        "--scenarios",
+        default=None,
+        help="comma-separated: 1g,20k,4g (default), lora, reshard",
     )
-    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument(
+        "--contenders",
+        default=None,
+        help=f"comma-separated, of {','.join(CONTENDERS)}; each scenario runs those that "
+        "apply to it (default: all that apply; in lora all but dcp_thread)",
+    )
     p.add_argument("--repeats", type=int, default=None, help="measured saves per contender")
     p.add_argument("--size-mib", type=int, default=None, help="override every scenario's size")
     p.add_argument("--timeout", type=float, default=None, help="seconds per contender")
