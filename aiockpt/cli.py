@@ -688,10 +688,24 @@ def cmd_prune(args: argparse.Namespace) -> int:
             )
             if args.yes:
                 root.catalog.delete_step(e.step)
+    # Files that the kept steps read from (incremental checkpoints) stay, whatever their
+    # directory; None: a kept manifest is unreadable, so no file is known to be unread.
+    kept_refs = root.catalog.referenced(e.step for e in root.committed if e.step not in doomed)
     for step in partials:
-        out.write(f"{verb} partial step directory {fmt.step_dirname(step)}\n")
+        dirname = fmt.step_dirname(step)
+        held = None if kept_refs is None else [p for p in kept_refs if p.startswith(dirname + "/")]
+        if held is None:
+            out.write(f"keeping step directory {dirname}: a kept manifest is unreadable\n")
+            continue
+        if held:
+            out.write(
+                f"keeping retired step directory {dirname}: kept steps read from "
+                f"{plural(len(held), 'file')} of it\n"
+            )
+        else:
+            out.write(f"{verb} partial step directory {dirname}\n")
         if args.yes:
-            root.catalog.remove(step)
+            root.catalog.sweep(step, kept_refs)
     if spared:
         print(
             f"left partial step directories at or above the newest commit (a save may still be "

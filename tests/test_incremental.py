@@ -436,3 +436,44 @@ def test_a_base_deleted_behind_the_runs_back_is_not_referred_to(root):
 
     assert torch.equal(anyio.run(main)["w"], state["w"])
     assert manifest_of(root, 2)["version"] == 1
+
+
+def test_a_file_is_not_kept_alive_for_a_small_part_of_it(root):
+    """Everything changes but a small constant tensor: referring to it would keep each old
+    shard whole, so it is written again and retention frees the old steps entirely."""
+    state = {"w": torch.randn(1024, 1024), "ids": torch.arange(7)}
+
+    async def main() -> list[int]:
+        async with AsyncCheckpointManager(root, retention=LatestN(2)) as mgr:
+            for step in (1, 2, 3, 4):
+                state["w"] += 1
+                await (await mgr.save(step, state))
+            return await mgr.steps()
+
+    assert anyio.run(main) == [3, 4]
+    assert step_numbers(root) == [3, 4]  # no retired directory
+    for step in (3, 4):
+        (shard,) = manifest_of(root, step)["shards"]
+        assert [b[2] for b in shard["blocks"]] == ["", ""]  # nothing referred to
+
+
+def test_prune_keeps_what_kept_steps_read(root):
+    """`aiockpt prune --yes` deletes steps and partials but never a file a kept step reads."""
+    state = {"w": torch.randn(1024, 1024), "s": torch.zeros(4)}
+
+    async def save() -> None:
+        async with AsyncCheckpointManager(root) as mgr:
+            for step in (1, 2, 3):
+                state["s"] += 1
+                await (await mgr.save(step, state))
+
+    anyio.run(save)
+    dry = cli("prune", root, "--keep-last", "1")
+    assert "would delete step 1" in dry.stdout
+    done = cli("prune", root, "--keep-last", "1", "--yes")
+    assert done.returncode == 0, done.stderr
+    assert step_numbers(root) == [1, 3]  # step 1 retired: step 3 reads its big tensor
+    again = cli("prune", root, "--keep-last", "1", "--yes")
+    assert "keeping retired step directory step_000000000001" in again.stdout
+    assert step_numbers(root) == [1, 3]
+    assert cli("verify", root).returncode == 0

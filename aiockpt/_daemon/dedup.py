@@ -22,9 +22,10 @@ that has a base block of its length is a candidate for the first save.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, overload
 
 import xxhash
@@ -61,17 +62,23 @@ class Base:
     samples: set[tuple[int, bytes]] | None
     #: The committed step these blocks are of (None: nothing to refer to).
     step: int | None = None
+    #: The size of each file the blocks are in (what a save referring to it keeps alive).
+    sizes: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def empty(cls) -> Base:
         return cls({}, set())
 
     @classmethod
-    def of_shard(cls, step: int, shard: fmt.ShardRecord) -> Base:
-        """The blocks of a committed shard read back from its manifest (no samples)."""
+    def of_shard(cls, step: int, shard: fmt.ShardRecord, size: Callable[[str], int]) -> Base:
+        """The blocks of a committed shard read back from its manifest (no samples);
+        ``size`` tells the size of a file it refers to."""
         own = f"{fmt.step_dirname(step)}/{shard.file}"
         where = {(b.length, b.digest): (b.source or own, b.offset) for b in shard.blocks}
-        return cls(where, None, step)
+        sizes = {own: shard.file_size}
+        for source in {b.source for b in shard.blocks if b.source}:
+            sizes[source] = size(source)
+        return cls(where, None, step, sizes)
 
     def lengths(self) -> set[int]:
         return {length for length, _ in self.where}
@@ -153,12 +160,25 @@ class Plan(Sequence[memoryview]):
             yield self[i]
 
     def _written(self, block: int) -> bool:
-        decided = self._decided.get(block)
-        if decided is None:
-            lo, hi = self.blocks[block]
-            key = (hi - lo, self._hashes[block].result())
-            decided = self._decided[block] = key not in self.base.where
-        return decided
+        if not self._decided:
+            self._decide()
+        return self._decided[block]
+
+    def _decide(self) -> None:
+        """Which candidates are written: those the base does not hold, and those in a file
+        this save would read less than half of (referring to a few blocks would keep the
+        whole file alive), so a kept file is always at least half read by a kept step."""
+        found: dict[int, str] = {}
+        reads: Counter[str] = Counter()
+        for i in self._candidates:
+            lo, hi = self.blocks[i]
+            hit = self.base.where.get((hi - lo, self._hashes[i].result()))
+            if hit is not None:
+                found[i] = hit[0]
+                reads[hit[0]] += hi - lo
+        worth = {path for path, n in reads.items() if 2 * n >= self.base.sizes.get(path, 0) > 0}
+        for i in self._candidates:
+            self._decided[i] = found.get(i) not in worth
 
     def wait(self) -> None:
         """Let every hash finish (none may run on the slab once the save lets it go)."""
@@ -193,13 +213,16 @@ class Plan(Sequence[memoryview]):
                 where[i] = self.base.where[(hi - lo, self._hashes[i].result())]
         table = []
         nxt: dict[tuple[int, str], tuple[str, int]] = {}
+        sizes = {own: at}
         for i, (lo, hi) in enumerate(self.blocks):
             source, offset = where[i]
             h = self._hashes[i].result()
             table.append(bl.Block(hi - lo, h, source, offset))
             nxt.setdefault((hi - lo, h), (source or own, offset))
+            if source:
+                sizes[source] = self.base.sizes[source]
         samples = {(hi - lo, s) for (lo, hi), s in zip(self.blocks, self.samples, strict=True)}
-        return table, at, Base(nxt, samples, step)
+        return table, at, Base(nxt, samples, step, sizes)
 
 
 def shard_fields(table: list[bl.Block], stored: int) -> dict[str, Any]:

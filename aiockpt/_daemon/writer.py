@@ -227,13 +227,20 @@ class Writer:
                 except (CheckpointError, KeyError):
                     pass  # an unreadable newest step: this save writes everything
                 else:
-                    self.base = Base.of_shard(steps[-1], shard)
+                    self.base = self._read_base(steps[-1], shard)
         gone = self.base.step is not None and (
             self.base.step == step or not self.catalog.is_committed(self.base.step)
         )
         if gone:
             self.base = Base.empty()
         return self.base
+
+    def _read_base(self, step: int, shard: fmt.ShardRecord) -> Base:
+        """The base of a committed shard; nothing when a file it refers to cannot be sized."""
+        try:
+            return Base.of_shard(step, shard, self.storage.size)
+        except CheckpointError:
+            return Base.empty()
 
     def _fence(self, req: SaveReq, what: str) -> None:
         """Refuse ``what`` once the lease is lost: rank 0 checks the lease it holds, another
