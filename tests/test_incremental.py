@@ -233,6 +233,11 @@ def test_copy_makes_a_self_contained_checkpoint(root, tmp_path):
     done = cli("copy", root, "3", dest)
     assert done.returncode == 0, done.stderr
     assert cli("copy", root, "3", dest).returncode == 1  # already there: refused
+    exported = str(tmp_path / "w.safetensors")
+    assert cli("export", root, exported, "--step", "3").returncode == 0  # through the table
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(exported)["w"], state["w"])
     shutil.rmtree(root)
     m = manifest_of(dest, 3)
     assert m["version"] == 1
