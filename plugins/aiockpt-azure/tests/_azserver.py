@@ -1,18 +1,22 @@
 """A real Azure Blob server for tests: azurite (Node.js, installed by scripts/_venv.sh into
 .venv/azurite) on 127.0.0.1, as a child process.
 
-Its blobs live in a folder, so the server can be killed mid-request and started again on the
+Its blobs live in a folder, so the server can be stopped mid-request and started again on the
 same port with what it had stored. ``Relay`` is a TCP relay in front of it that can reset
-connections, or kill the server once a request has sent some bytes: the moment of a stop.
+connections, or stop the server once a request has sent some bytes: the moment of a stop.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
 import shutil
+import signal
 import socket
 import struct
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -40,6 +44,14 @@ def why_not() -> str | None:
     return None
 
 
+def _die_with_parent() -> None:
+    """In the child, before azurite starts: the kernel kills it if the test process dies
+    first (killed, say), since in a session of its own nothing else would."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -54,26 +66,44 @@ def connection_string(endpoint: str) -> str:
 
 
 class AzuriteServer:
-    """azurite's blob service at ``endpoint``, storing its blobs under ``folder``."""
+    """azurite's blob service at ``endpoint``, storing its blobs under ``folder``.
+
+    azurite keeps its blob index in memory and saves it to ``folder`` every 5 seconds, and when
+    it closes: a SIGKILL loses what changed since the last save (a container just made, say).
+    ``stop`` closes it cleanly, so what it held comes back on ``start``.
+    """
+
+    CLOSED = b"Azurite Blob service successfully closed"
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self._proc: subprocess.Popen[bytes] | None = None
+        self._closed = threading.Event()
+        self._watcher: threading.Thread | None = None
         self.start()
 
     def start(self) -> None:
         """Start the server (again) on its port, with what its folder holds."""
+        self._closed = threading.Event()
         self._proc = subprocess.Popen(
             [
                 str(AZURITE),
                 *("--blobHost", "127.0.0.1", "--blobPort", str(self.port)),
                 *("--location", str(self.folder), "--silent", "--skipApiVersionCheck"),
+                "--disableTelemetry",
             ],
-            stdout=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group, killed whole
+            preexec_fn=_die_with_parent,
         )
+        self._watcher = threading.Thread(
+            target=self._watch, args=(self._proc, self._closed), daemon=True
+        )
+        self._watcher.start()
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -85,21 +115,45 @@ class AzuriteServer:
                     raise RuntimeError("azurite did not start") from None
                 time.sleep(0.05)
 
-    def kill(self) -> None:
-        """Stop the server at once (SIGKILL), as a crash would."""
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.wait()
-            self._proc = None
+    @classmethod
+    def _watch(cls, proc: subprocess.Popen[bytes], closed: threading.Event) -> None:
+        """Read what the server prints (so it never blocks on a full pipe); ``closed`` is set
+        once it says it has closed, its index saved."""
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if cls.CLOSED in line:
+                closed.set()
+        proc.stdout.close()
 
-    def stop(self) -> None:
-        if self._proc is not None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-            self._proc = None
+    def kill(self) -> None:
+        """Stop the server at once (SIGKILL to its process group), as a crash would."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def stop(self) -> bool:
+        """Stop the server cleanly: SIGTERM, after which azurite closes its connections and
+        saves its index, then says so (the process itself may linger: it is killed then).
+        Whether it closed cleanly: a server stopped before it could (one that has just
+        started, say) may have lost its last changes."""
+        proc = self._proc
+        if proc is None:
+            return True
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while not self._closed.wait(0.05):
+            if proc.poll() is not None:
+                if self._watcher is not None:
+                    self._watcher.join(10)  # what it printed before it ended, read to the end
+                break
+            if time.monotonic() > deadline:
+                break
+        clean = self._closed.is_set()
+        self.kill()
+        return clean
 
     def client(self) -> Any:
         """A plain (synchronous) blob service client, to look behind the storage's back."""
@@ -155,9 +209,10 @@ class Relay:
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
-        self._reset_all()
+        self.reset_all()
 
-    def _reset_all(self) -> None:
+    def reset_all(self) -> None:
+        """Reset every connection open through the relay."""
         with self._lock:
             conns, self._conns = self._conns, set()
         for c in conns:
@@ -199,7 +254,7 @@ class Relay:
                         trip, self._trip = self._trip, None
                     if trip is not None:
                         trip[1]()
-                        self._reset_all()
+                        self.reset_all()
         except OSError:
             pass
         with contextlib.suppress(OSError):
