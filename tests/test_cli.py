@@ -85,7 +85,7 @@ def test_ls_lists_committed_steps_with_time_size_and_metrics(run, pristine):
     r = aiockpt("ls", run)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert lines[0].split() == ["STEP", "COMMITTED", "SIZE", "METRICS"]
+    assert lines[0].split() == ["STEP", "COMMITTED", "SIZE", "WRITTEN", "REFERENCED", "METRICS"]
     rows = [line.split() for line in lines[1:]]
     assert [int(row[0]) for row in rows] == STEPS  # the partial 9 is not listed
     for row in rows:

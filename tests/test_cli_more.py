@@ -248,6 +248,9 @@ def test_show_json_is_one_complete_object(run):
         "created_at",
         "world_size",
         "nbytes",
+        "written_nbytes",
+        "referenced_nbytes",
+        "referenced_files",
         "url",
         "metrics",
         "metadata",
@@ -400,7 +403,8 @@ def test_ls_json_keeps_its_format(run):
     r = aiockpt_run("ls", run, "--json")
     assert r.returncode == 0, r.stderr
     records = [json.loads(line) for line in r.stdout.splitlines()]
-    assert [list(x) for x in records] == [["step", "url", "created_at", "nbytes", "metrics"]] * 3
+    keys = ["step", "url", "created_at", "nbytes", "written_nbytes", "referenced_nbytes", "metrics"]
+    assert [list(x) for x in records] == [keys] * 3
     assert [x["metrics"] for x in records] == [{"loss": 1.0}, {"loss": 0.5}, {"loss": 0.25}]
 
 
