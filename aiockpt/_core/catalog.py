@@ -181,17 +181,6 @@ class Catalog:
                 self.storage.delete(f"{dirname}/{name}", recursive=True)
         return False
 
-    def retired(self) -> dict[int, list[str]]:
-        """The step directories without a manifest that hold files a committed step reads
-        from (the data of deleted steps, kept for later ones), with those files."""
-        refs = self.referenced() or frozenset()
-        out: dict[int, list[str]] = {}
-        for path in sorted(refs):
-            step = fmt.parse_step_dirname(path.split("/", 1)[0])
-            if step is not None and not self.is_committed(step):
-                out.setdefault(step, []).append(path)
-        return out
-
     def collect_partials(
         self, busy: Callable[[], Collection[int]] = frozenset, *, everything: bool = False
     ) -> list[int]:
