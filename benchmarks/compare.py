@@ -821,17 +821,26 @@ def driver_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
             entry = {"label": sc.label, "nbytes": sc.nbytes, "tensors": sc.tensors, "kind": sc.kind}
             entry["contenders"] = {}
             report["scenarios"][k] = entry
-            for c in contenders:
-                # Without --contenders, each scenario's own set; with it, those that apply.
-                if not (sc.applies(c) if args.contenders else sc.default(c)):
-                    continue
-                print(f"  {sc.label:<28} {LABELS[c]:<22}", end="", flush=True)
-                r = run_contender(c, sc, args, scratch)
+            # Without --contenders, each scenario's own set; with it, those that apply.
+            mine = [c for c in contenders if (sc.applies(c) if args.contenders else sc.default(c))]
+            # lora: one round of each contender in turn, --repeats times, so that a machine
+            # whose speed drifts (a shared one) weighs on every contender alike.
+            rounds = args.repeats if sc.kind == "lora" else 1
+            one = argparse.Namespace(**{**vars(args), "repeats": 1}) if rounds > 1 else args
+            runs: dict[str, list[dict[str, Any]]] = {c: [] for c in mine}
+            for i in range(rounds):
+                for c in mine:
+                    tag = f" (round {i + 1}/{rounds})" if rounds > 1 else ""
+                    print(f"  {sc.label:<28} {LABELS[c] + tag:<22}", end="", flush=True)
+                    r = run_contender(c, sc, one, scratch)
+                    runs[c].append(r)
+                    if r["status"] == "ok":
+                        print(f" stall {fmt_s(r['stall']):>8}  durable {fmt_s(r['durable']):>8}")
+                    else:
+                        print(f" {r['status']}: {r['why'][:120]}")
+            for c in mine:
+                r = runs[c][0] if rounds == 1 else lora_bench.merge(runs[c])
                 entry["contenders"][c] = r
-                if r["status"] == "ok":
-                    print(f" stall {fmt_s(r['stall']):>8}  durable {fmt_s(r['durable']):>8}")
-                else:
-                    print(f" {r['status']}: {r['why'][:120]}")
     report["elapsed_s"] = time.monotonic() - t_start
     caches = {
         r["cache"]

@@ -277,6 +277,7 @@ class Aiockpt(Saver):
 
     async def open(self, r: int) -> None:
         await super().open(r)
+        self.written = {}  # every round numbers its steps from 1
         await self.start()
 
     async def start(self) -> None:
@@ -418,6 +419,23 @@ def summarize(rows: list[list[dict[str, Any]]], restarts: list[dict[str, Any]]) 
 
 
 # =========================================================================== driver
+
+
+def merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One contender's figures from its rounds run one process each: the first failure, or
+    the summary over every round (peaks: the highest)."""
+    for r in runs:
+        if r["status"] != "ok":
+            return r
+    rows = [rnd for r in runs for rnd in r["rounds"]]
+    restarts = [x for r in runs for x in r["restart_runs"]]
+    out = {k: v for k, v in runs[0].items() if k not in ("rounds", "restart_runs")}
+    out.update(summarize(rows, restarts))
+    for k in ("peak_rss_mib", "helpers_peak_rss_mib"):
+        vals = [r[k] for r in runs if r.get(k) is not None]
+        out[k] = max(vals) if vals else None
+    out["elapsed_s"] = sum(r["elapsed_s"] for r in runs)
+    return {**out, "rounds": rows, "restart_runs": restarts}
 
 
 def fmt_b(n: float | None) -> str:
