@@ -27,7 +27,8 @@ COPY_CHUNK = 16 << 20
 class _Streamed(Sequence[memoryview]):
     """A shard's logical bytes as consecutive pieces, read when the storage asks for each and
     checked as they go: a failed check raises from the last piece, so the write fails and
-    leaves nothing behind. Nothing is kept: memory is one piece."""
+    leaves nothing behind. Nothing is kept here: a storage that writes each piece as it gets
+    it holds one piece at a time."""
 
     def __init__(
         self,
