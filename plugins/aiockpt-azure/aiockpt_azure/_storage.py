@@ -494,8 +494,11 @@ async def _gather_or_cancel(coros: list[Awaitable[None]]) -> None:
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    finally:
-        errors = await _settle(tasks)
+    except BaseException:  # cancelled: the tasks go too, and their errors with them
+        for e in await _settle(tasks):
+            _clear_frames(e)
+        raise
+    errors = await _settle(tasks)
     if errors:
         for e in errors[1:]:
             _clear_frames(e)  # not raised, and its frames hold views of the caller's buffers
@@ -503,9 +506,9 @@ async def _gather_or_cancel(coros: list[Awaitable[None]]) -> None:
 
 
 async def _settle(tasks: Iterable[asyncio.Task[Any]]) -> list[BaseException]:
-    """Cancel ``tasks``, wait until all have ended, and take what they raised (cancellations
-    and ``CancelledError`` aside, whose frames are cleared): a task that ended with an error
-    keeps it, with the frames it went through, until its error is taken."""
+    """Cancel those of ``tasks`` still running, wait for all to end, and return the errors
+    they ended with (cancellations aside: their frames are cleared). A task keeps its error,
+    and with it the frames it went through, until the error is taken from it."""
     tasks = list(tasks)
     me = asyncio.current_task()
     try:
