@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, overload
+from collections.abc import Callable
+from typing import Any
 
 from ._core import format as fmt
 from ._core.blocks import ShardMap
 from ._core.catalog import Catalog, ShardCrcs, manifest_path
+from ._core.pieces import Pieces
 from ._daemon.coord import publish_manifest
 from .errors import CheckpointError, CorruptCheckpointError, StepExistsError
 
@@ -24,7 +25,7 @@ from .errors import CheckpointError, CorruptCheckpointError, StepExistsError
 COPY_CHUNK = 16 << 20
 
 
-class _Streamed(Sequence[memoryview]):
+class _Streamed(Pieces):
     """A shard's logical bytes as consecutive pieces, read when the storage asks for each and
     checked as they go: a failed check raises from the last piece, so the write fails and
     leaves nothing behind. Nothing is kept here: a storage that writes each piece as it gets
@@ -47,17 +48,7 @@ class _Streamed(Sequence[memoryview]):
     def __len__(self) -> int:
         return self.n
 
-    @overload
-    def __getitem__(self, i: int) -> memoryview: ...
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[memoryview]: ...
-    def __getitem__(self, i: int | slice) -> Any:
-        if isinstance(i, slice):
-            return [self[k] for k in range(*i.indices(self.n))]
-        if i < 0:
-            i += self.n
-        if not 0 <= i < self.n:
-            raise IndexError(i)
+    def piece(self, i: int) -> memoryview:
         lo = i * COPY_CHUNK
         hi = min(lo + COPY_CHUNK, self.shard.nbytes)
         piece = memoryview(bytearray(hi - lo))
@@ -79,9 +70,10 @@ class _Streamed(Sequence[memoryview]):
                     )
         return piece
 
-    def __iter__(self) -> Iterator[memoryview]:
-        for i in range(self.n):
-            yield self[i]
+    def checked(self) -> bool:
+        """Whether every piece went through the check, in order (a storage that asked for
+        them otherwise leaves the copy unchecked: refused)."""
+        return self._next == self.n
 
 
 def self_contained(raw: dict[str, Any]) -> bytes:
@@ -120,6 +112,11 @@ def copy_step(src: Catalog, m: fmt.Manifest, dest: Catalog, progress: Callable[[
                 )
             pieces = _Streamed(src, smap, shard, m.tensors[shard.file], progress)
             dest.storage.write_file(f"{dirname}/{shard.file}", pieces)
+            if not pieces.checked():
+                raise CheckpointError(
+                    f"{dest.where()} did not take {shard.file} in order, so its checksums "
+                    "could not be checked as it was copied; nothing was committed"
+                )
             written += shard.nbytes
         publish_manifest(dest.storage, manifest_path(step), self_contained(raw), step)
     except BaseException:

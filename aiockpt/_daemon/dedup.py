@@ -23,15 +23,16 @@ that has a base block of its length is a candidate for the first save.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, overload
+from typing import Any
 
 import xxhash
 
 from .._core import blocks as bl
 from .._core import format as fmt
+from .._core.pieces import Pieces
 
 #: Bytes sampled per block to tell a changed block without hashing it.
 _SAMPLES = 16
@@ -84,7 +85,7 @@ class Base:
         return {length for length, _ in self.where}
 
 
-class Plan(Sequence[memoryview]):
+class Plan(Pieces):
     """One shard's bytes as the storage is asked to write them: the header and the blocks new
     for sure, in runs, then one item per candidate, decided when the storage reaches it (its
     bytes, or an empty view when the base holds them). Decisions are made once."""
@@ -137,27 +138,13 @@ class Plan(Sequence[memoryview]):
     def __len__(self) -> int:
         return len(self._runs) + len(self._candidates)
 
-    @overload
-    def __getitem__(self, i: int) -> memoryview: ...
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[memoryview]: ...
-    def __getitem__(self, i: int | slice) -> Any:
-        if isinstance(i, slice):
-            return [self[k] for k in range(*i.indices(len(self)))]
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(i)
+    def piece(self, i: int) -> memoryview:
         if i < len(self._runs):
             lo, hi = self._runs[i]
             return self.data[lo:hi]
         block = self._candidates[i - len(self._runs)]
         lo, hi = self.blocks[block]
         return self.data[lo:hi] if self._written(block) else self.data[lo:lo]
-
-    def __iter__(self) -> Iterator[memoryview]:
-        for i in range(len(self)):
-            yield self[i]
 
     def _written(self, block: int) -> bool:
         if not self._decided:
