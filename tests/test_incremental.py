@@ -482,3 +482,26 @@ def test_prune_keeps_what_kept_steps_read(root):
     assert "keeping retired step directory step_000000000001" in again.stdout
     assert step_numbers(root) == [1, 3]
     assert cli("verify", root).returncode == 0
+
+
+def test_two_saves_in_flight_refer_only_to_committed_bytes(root):
+    """Saves staged back to back (max_pending=2): the second is written after the first
+    commits and may refer to it; each loads exactly what it saved."""
+    big, small = torch.randn(1024, 1024), torch.zeros(8)
+
+    async def main() -> dict[int, dict]:
+        async with AsyncCheckpointManager(root, max_pending=2) as mgr:
+            small[0] = 1
+            first = await mgr.save(1, {"big": big, "small": small})
+            small[0] = 2  # the first save's bytes were staged already
+            second = await mgr.save(2, {"big": big, "small": small})
+            await first
+            await second
+            return {step: await mgr.load(step) for step in (1, 2)}
+
+    got = anyio.run(main)
+    for step in (1, 2):
+        assert torch.equal(got[step]["big"], big)
+        assert got[step]["small"][0] == step
+    (shard,) = manifest_of(root, 2)["shards"]
+    assert {b[2] for b in shard["blocks"]} == {"", "step_000000000001/shard_r00000.safetensors"}
