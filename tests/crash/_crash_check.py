@@ -89,7 +89,9 @@ def inspect(root: str, reference: Mapping[str, bytes]) -> tuple[set[int], list[s
         step_dir = f"step_{step:012d}"
         names = [f"{step_dir}/manifest.json"]
         try:
-            names += [f"{step_dir}/{s.file}" for s in catalog.read_manifest(step).shards]
+            m = catalog.read_manifest(step)
+            names += [f"{step_dir}/{s.file}" for s in m.shards]
+            names += sorted(m.referenced_files())  # other steps' files it reads from
         except CheckpointError as e:
             problems.append(f"step {step} is committed but its manifest is refused: {e}")
         for name in names:
@@ -126,6 +128,20 @@ def partials(root: str) -> dict[int, bool]:
     return Catalog(LocalStorage(root)).step_dirs()
 
 
+def collectable(root: str) -> dict[int, bool]:
+    """As :func:`partials`, but a directory without a manifest that holds only files which
+    committed steps read from (a retired one, of incremental checkpoints) counts as kept."""
+    catalog = Catalog(LocalStorage(root))
+    dirs = catalog.step_dirs()
+    refs = catalog.referenced() or frozenset()
+    for step, committed in dirs.items():
+        name = f"step_{step:012d}"
+        files = [] if committed else os.listdir(os.path.join(root, name))
+        if files and all(f"{name}/{f}" in refs for f in files):
+            dirs[step] = True
+    return dirs
+
+
 async def open_and_check(
     root: str, expected: Callable[[int], Any], lease_ttl: float
 ) -> tuple[set[int], list[str]]:
@@ -146,7 +162,7 @@ async def open_and_check(
                 if not same(loaded, expected(step)):
                     problems.append(f"step {step} loads, but not what was saved")
             newest = max(listed, default=-1)
-            after = partials(root)
+            after = collectable(root)
             stale = [s for s, c in after.items() if not c and s < newest]
             if stale:
                 problems.append(f"partials {stale} below the newest commit survived the open")
@@ -157,7 +173,7 @@ async def open_and_check(
         if kept:
             async with AsyncCheckpointManager(root, lease_ttl=lease_ttl):
                 pass
-            left = [s for s, c in partials(root).items() if not c]
+            left = [s for s, c in collectable(root).items() if not c]
             if left:
                 problems.append(f"partials {left} survived the open after a newer commit")
     except Exception as e:  # any failure to open or save a crash state is a finding

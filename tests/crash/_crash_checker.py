@@ -12,7 +12,7 @@ from typing import Any
 
 from _crash_check import coarse, inspect, materialize, open_and_check, written_files
 from _crash_model import ABSENT, HALF, ZEROS, FsModel, object_states, signature
-from _crash_record import LEASE_TTL, Recording, state_for
+from _crash_record import EXPECTED, LEASE_TTL, Recording
 
 #: ``AIOCKPT_CRASH_ALL=1``: every state of every crash point, and a fresh manager on one
 #: state of every class; otherwise a seeded sample of both.
@@ -119,7 +119,8 @@ async def check(rec: Recording, model: str, tmp: Path, budget: Budget) -> Report
     report.points, report.trees = len(points), len(seen)
     for n, (tree, point, what) in enumerate(spread(list(classes.values()), budget.opens)):
         where = materialize(tree, str(tmp / f"b{n}"))
-        listed, problems = await open_and_check(where, state_for, LEASE_TTL)
+        expected = EXPECTED[rec.meta.get("state", "plain")]
+        listed, problems = await open_and_check(where, expected, LEASE_TTL)
         shutil.rmtree(where)
         missing = required(rec.records, point) - listed
         if missing:

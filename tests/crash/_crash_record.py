@@ -33,6 +33,21 @@ def state_for(step: int, rank: int = 0) -> dict[str, Any]:
     }
 
 
+def incremental_state(step: int, rank: int = 0) -> dict[str, Any]:
+    """What the incremental scenario saves: a frozen 1 MiB tensor (a block of its own, which
+    later saves refer to) and small values that change."""
+    return {
+        "frozen": torch.arange(1 << 18, dtype=torch.float32),
+        "small": torch.full((5,), step, dtype=torch.int64),
+        "step": step,
+        "rank": rank,
+    }
+
+
+#: What each scenario's steps held, by the name a recording carries in ``meta["state"]``.
+EXPECTED = {"plain": state_for, "incremental": incremental_state}
+
+
 @dataclass
 class Recording:
     """A recorded run: its log records, in order."""
@@ -81,3 +96,23 @@ async def record_single(root: str, log: str) -> Recording:
     async with AsyncCheckpointManager(url, storage_options=options, lease_ttl=LEASE_TTL):
         mark(log, opened=True)
     return read_log(log)
+
+
+async def record_incremental(root: str, log: str) -> Recording:
+    """One rank, incremental checkpoints: saves 1 to 3 of :func:`incremental_state` with
+    retention LatestN(1). Step 2 reads its frozen tensor from step 1's file, so deleting step 1
+    retires that file; step 3 reads it too, and deleting step 2 removes all of step 2's
+    directory. Then a new manager opens the root."""
+    os.makedirs(root)
+    url, options = f"crashrec://{root}", {"log": log}
+    async with AsyncCheckpointManager(
+        url, storage_options=options, retention=LatestN(1), lease_ttl=LEASE_TTL
+    ) as mgr:
+        for step in (1, 2, 3):
+            await (await mgr.save(step, incremental_state(step)))
+            mark(log, durable=step)
+    async with AsyncCheckpointManager(url, storage_options=options, lease_ttl=LEASE_TTL):
+        mark(log, opened=True)
+    rec = read_log(log)
+    rec.meta["state"] = "incremental"
+    return rec

@@ -14,7 +14,7 @@ from __future__ import annotations
 import anyio
 import pytest
 from _crash_checker import FULL, Budget, check
-from _crash_record import read_log, record_single
+from _crash_record import read_log, record_incremental, record_single
 from _support.ranks import run_ranks
 
 from aiockpt.storage import registered_protocols
@@ -37,6 +37,13 @@ def single(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def incremental(tmp_path_factory):
+    """The recorded single-rank run of incremental checkpoints."""
+    tmp = tmp_path_factory.mktemp("incremental")
+    return anyio.run(record_incremental, str(tmp / "run"), str(tmp / "log"))
+
+
+@pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     """The recorded two-rank run (real gloo ranks, one daemon each), recorded once."""
     tmp = tmp_path_factory.mktemp("ranks")
@@ -56,6 +63,17 @@ def test_the_recorder_sees_every_kind_of_operation(single):
     assert [r["durable"] for r in single.records if "durable" in r] == [1, 2, 4]
 
 
+def test_the_incremental_run_retires_step_1_and_removes_step_2(incremental):
+    """Recorded before the async checks (its fixture runs its own event loop): retention
+    deleted step 1's manifest but not its shard, which steps 2 and 3 read, and all of step 2."""
+    deletes = [r["path"] for r in incremental.records if r.get("call") == "delete"]
+    assert "step_000000000001/manifest.json" in deletes
+    assert "step_000000000001/shard_r00000.safetensors" not in deletes
+    assert "step_000000000001" not in deletes
+    assert "step_000000000002" in deletes  # nothing of it was read by step 3
+    assert [r["durable"] for r in incremental.records if "durable" in r] == [1, 2, 3]
+
+
 FLOORS = {  # crash states checked at least, (sampled, full); see docs/crash-points.md
     ("single", "ordered"): (150, 230),
     ("single", "posix"): (250, 2000),
@@ -63,13 +81,16 @@ FLOORS = {  # crash states checked at least, (sampled, full); see docs/crash-poi
     ("ranks", "ordered"): (200, 350),
     ("ranks", "posix"): (300, 1000),
     ("ranks", "objects"): (20, 20),
+    ("incremental", "ordered"): (150, 220),
+    ("incremental", "posix"): (250, 950),
+    ("incremental", "objects"): (12, 14),
 }
 
 
 @pytest.mark.parametrize("model", ["ordered", "posix", "objects"])
-@pytest.mark.parametrize("scenario", ["single", "ranks"])
+@pytest.mark.parametrize("scenario", ["single", "ranks", "incremental"])
 async def test_every_crash_state_keeps_the_promises(scenario, model, request, tmp_path):
-    rec = request.getfixturevalue("single" if scenario == "single" else "two_ranks")
+    rec = request.getfixturevalue("two_ranks" if scenario == "ranks" else scenario)
     report = await check(rec, model, tmp_path, EVERYTHING if FULL else SAMPLED)
     assert report.states >= FLOORS[scenario, model][FULL]
     assert report.opened >= 1
