@@ -200,7 +200,13 @@ class ShardMap:
     def readinto(self, storage: Any, offset: int, out: memoryview) -> None:
         """Fill ``out`` with the logical bytes from ``offset``; a referenced file that is
         missing or short is a :class:`CorruptCheckpointError` naming it and its step."""
-        for e in self.pieces(offset, offset + len(out)):
+        pieces = self.pieces(offset, offset + len(out))
+        if sum(e.hi - e.lo for e in pieces) != len(out):
+            where = self.where(self.own)
+            raise CorruptCheckpointError(
+                f"{where}: bytes {offset}..{offset + len(out)} lie outside the shard", path=where
+            )
+        for e in pieces:
             # Released on the way out, an error included: a view left to a traceback would
             # keep the caller's shared memory from closing.
             with out[e.lo - offset : e.hi - offset] as view:
