@@ -690,7 +690,12 @@ def cmd_prune(args: argparse.Namespace) -> int:
                 root.catalog.delete_step(e.step)
     # Files that the kept steps read from (incremental checkpoints) stay, whatever their
     # directory; None: a kept manifest is unreadable, so no file is known to be unread.
-    kept_refs = root.catalog.referenced(e.step for e in root.committed if e.step not in doomed)
+    survivors = [e for e in root.committed if e.step not in doomed]
+    kept_refs = (
+        None
+        if any(e.manifest is None for e in survivors)
+        else frozenset(p for e in survivors if e.manifest for p in e.manifest.referenced_files())
+    )
     for step in partials:
         dirname = fmt.step_dirname(step)
         held = None if kept_refs is None else [p for p in kept_refs if p.startswith(dirname + "/")]

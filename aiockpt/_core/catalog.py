@@ -124,16 +124,17 @@ class Catalog:
 
         Files that a committed step still reads from (incremental checkpoints) stay, in a
         *retired* directory; the retired files this step was the last to read from go."""
-        refs = self._step_refs(step)
+        read = self._step_refs(step)
         self.storage.delete(manifest_path(step))
         self._refs.pop(step, None)
         if uncommitted is not None:
             uncommitted(step)
-        self.sweep(step)
-        for old in sorted({path.split("/", 1)[0] for path in refs or ()}):
+        refs = self.referenced()  # once, for this directory and those it read from
+        self.sweep(step, refs)
+        for old in sorted({path.split("/", 1)[0] for path in read or ()}):
             old_step = fmt.parse_step_dirname(old)
             if old_step is not None and not self.is_committed(old_step):
-                self.sweep(old_step)
+                self.sweep(old_step, refs)
 
     def note_refs(self, step: int, refs: Iterable[str]) -> None:
         """What a writer knows of the step it just committed: the files its blocks refer to."""
@@ -163,12 +164,11 @@ class Catalog:
             refs |= known
         return frozenset(refs)
 
-    def sweep(self, step: int, refs: frozenset[str] | None = None) -> bool:
+    def sweep(self, step: int, refs: frozenset[str] | None) -> bool:
         """Remove what a step directory without a manifest holds, except the files a
-        committed step reads from (``refs``, found when None); whether the directory is gone.
-        When a committed manifest cannot be read, every file stays (it may be unreadable
-        only for now)."""
-        refs = self.referenced() if refs is None else refs
+        committed step reads from (``refs``, see :meth:`referenced`); whether the directory
+        is gone. With ``refs`` None (a committed manifest cannot be read) every file stays:
+        it may be unreadable only for now."""
         if refs is None:
             return False
         dirname = fmt.step_dirname(step)
