@@ -28,8 +28,18 @@ def err(e: BaseException) -> dict:
 
 
 async def save_load(rank: int, world: int, root: str) -> dict:
-    async with AsyncCheckpointManager(root, dist_timeout=60, retention=LatestN(1)) as mgr:
+    requests = []
+
+    def on_event(event) -> None:
+        if event.name == "save.committed":
+            requests.append(event.requests)
+
+    async with AsyncCheckpointManager(
+        root, dist_timeout=60, retention=LatestN(1), event_handlers=[on_event]
+    ) as mgr:
         for step in (1, 2):
+            if rank == world - 1:
+                time.sleep(1.0)  # the slowest rank: a storage poll loop would show
             info = await (
                 await mgr.save(step, state_for(rank + step), metrics={"loss": 1.0 / step})
             )
@@ -39,6 +49,7 @@ async def save_load(rank: int, world: int, root: str) -> dict:
             "url": info.url,
             "own": loaded["own"].tolist(),
             "rank": loaded["rank"],
+            "requests": requests,
         }
 
 

@@ -34,13 +34,21 @@ def test_every_rank_saves_and_loads_its_own_state(tmp_path, world):
         f"shard_r{r:05d}.safetensors" for r in range(world)
     ]
     names = os.listdir(os.path.join(root, "step_000000000002"))
-    # the parts are gone after the commit; an empty "done" marker stays
-    assert sorted(n for n in names if not n.startswith(".")) == sorted(
+    # the ranks agreed through the job's store: nothing but the checkpoint in storage
+    assert sorted(names) == sorted(
         ["manifest.json"] + [f"shard_r{r:05d}.safetensors" for r in range(world)]
     )
-    dotted = [n for n in names if n.startswith(".")]
-    assert len(dotted) == 1
-    assert dotted[0].endswith(".done")
+    for rank, r in enumerate(results):
+        for requests in r["requests"]:
+            assert requests["write_file"] == 1, requests  # the shard
+            assert requests.get("put_if_absent", 0) == (1 if rank == 0 else 0), requests
+            assert sum(requests.values()) <= 8, requests
+    # the last rank came a second late: a storage poll would show on the others; none does
+    late, others = results[-1]["requests"], [r["requests"] for r in results[1:-1]]
+    assert all(o == late for o in others)
+    assert [
+        {k: v for k, v in r.items() if k != "put_if_absent"} for r in results[0]["requests"]
+    ] == late
 
 
 def test_killed_daemon_on_one_rank_fails_every_rank_quickly(tmp_path):

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: Bumped on any change to these messages; checked by both ends in the handshake.
-PROTOCOL = 5
+PROTOCOL = 6
 
 #: How a loaded tensor lies in shared memory: (safetensors dtype, shape, byte offset).
 TensorAt = tuple[str, tuple[int, ...], int]
@@ -119,6 +119,9 @@ class Hello:
     lease: LeaseSpec | None = None
     #: Whether saves refer to the blocks a kept checkpoint already holds (see _daemon/dedup).
     dedup: bool = True
+    #: On several ranks: the inherited file descriptor of the pipe to the trainer's relay of
+    #: the job's c10d store (see _core/storeops.py); None: the ranks signal through storage.
+    store_fd: int | None = None
     protocol: int = PROTOCOL
 
 

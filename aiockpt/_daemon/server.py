@@ -43,12 +43,14 @@ from .._core.protocol import (
     check_protocol,
 )
 from .._core.shm import trainer_segments, unlink
+from .._core.storeops import PipeStoreOps
 from ..storage import CountingStorage, Storage, open_storage
 from .coord import Coordinator, no_fence
 from .lease import LeaseKeeper
 from .pipe import Outbox, remote_error
 from .prune import Pruner
 from .reader import Reader
+from .rendezvous import StoreRendezvous
 from .shared import InFlight, Slabs
 from .writer import Writer
 
@@ -76,10 +78,17 @@ class Daemon:
         self.lease = LeaseKeeper(self.storage, cfg.lease, os.getpid()) if cfg.lease else None
         fence = self.lease.check if self.lease is not None else no_fence
         self.coord: Coordinator | None = None
+        self.store_ops: PipeStoreOps | None = None
         if cfg.world_size > 1:
             assert cfg.dist_timeout is not None
+            via = None
+            if cfg.store_fd is not None:
+                self.store_ops = PipeStoreOps(Connection(cfg.store_fd))
+                via = StoreRendezvous(
+                    self.store_ops, self.storage, cfg.rank, cfg.world_size, cfg.dist_timeout
+                )
             self.coord = Coordinator(
-                self.storage, cfg.rank, cfg.world_size, cfg.dist_timeout, fence=fence
+                self.storage, cfg.rank, cfg.world_size, cfg.dist_timeout, fence=fence, via=via
             )
         policy = cfg.retention if cfg.rank == 0 else None  # decided once, by rank 0
         self.pruner = Pruner(self.catalog, policy, self.in_flight, self.outbox, fence=fence)
@@ -219,6 +228,8 @@ class Daemon:
                 unlink(name)
         self.reader.close()
         self.storage.close()
+        if self.store_ops is not None:
+            self.store_ops.close()
 
 
 def main(argv: list[str]) -> int:

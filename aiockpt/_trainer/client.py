@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing import Pipe
 from typing import Any, Protocol, overload
 
@@ -47,6 +47,7 @@ from .._core.protocol import (
 )
 from ..errors import DaemonDiedError, DaemonStartError
 from .channel import Channel
+from .storeproxy import start_relay
 
 #: What the daemon process runs: ``python -c DAEMON_BOOT PKG_PARENT FD``. A fresh interpreter
 #: (spawn, never fork), which never imports the trainer's ``__main__``.
@@ -166,19 +167,30 @@ class SubprocessClient:
         *,
         start_timeout: float,
         boot: str = DAEMON_BOOT,
+        store: Any = None,
     ) -> SubprocessClient:
         """Start a daemon, send it ``hello`` and wait for its :class:`Ready`.
 
         Raises DaemonStartError when it exits, answers late or speaks another protocol, and
-        the error it reports when it could not start. ``boot`` is the program it runs.
+        the error it reports when it could not start. ``boot`` is the program it runs;
+        ``store``, the job's c10d store, which a thread of this process relays to the daemon
+        for its multi-rank commits (see storeproxy.py).
         """
         parent, child = Pipe(duplex=True)
-        proc = subprocess.Popen(
-            [sys.executable, "-c", boot, _PKG_PARENT, str(child.fileno())],
-            pass_fds=(child.fileno(),),
-            stdin=subprocess.DEVNULL,
-        )
-        child.close()  # else EOF never arrives when the daemon dies
+        inherited = [child]
+        if store is not None:
+            relay = start_relay(store)
+            inherited.append(relay)
+            hello = replace(hello, store_fd=relay.fileno())
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", boot, _PKG_PARENT, str(child.fileno())],
+                pass_fds=tuple(c.fileno() for c in inherited),
+                stdin=subprocess.DEVNULL,
+            )
+        finally:
+            for c in inherited:
+                c.close()  # else EOF never arrives when the daemon dies
         chan = Channel(PipeEnd(parent))
         try:
             chan.send(hello)
