@@ -1,24 +1,37 @@
-"""The multi-rank commit's cost as the number of ranks grows.
+"""A multi-rank commit's cost as the number of ranks grows: storage requests and latency.
 
-Rank 0's daemon commits by listing the step directory, reading every other rank's part file,
-splicing them into the manifest and writing it. Here the parts of N ranks (64 tensors each)
-are written up front in one process, then rank 0's real commit path runs on a local directory
-and is timed. Target: linear in ranks and under 1 s at 1024 ranks.
+N simulated ranks are threads running the daemons' own commit code (Coordinator and its
+rendezvous) over one counting local storage. Each writes a small shard and hands rank 0 its
+part (64 tensor entries); the last rank's shard lands ``--late`` seconds after the others'.
+Both ways of signalling run side by side:
 
-    python benchmarks/commit_bench.py [--ranks 1,8,64,256,1024] [--tensors 64] [--repeats 3]
+- ``storage``: part files, rank 0 listing the step directory and the others checking for its
+  marker, each with backoff up to 0.1 s (the only way before the store, now the fallback);
+- ``store``: keys of a c10d store (an in-process HashStore: one process cannot hold 1,024
+  TCPStore connections reliably), through the trainer's own store operations.
+
+Printed: storage requests per save (all ranks, and the most any rank made), and the commit
+latency, from the last shard landing to the manifest written.
+
+    python benchmarks/commit_bench.py [--ranks 2,16,256,1024] [--late 2.0] [--tensors 64]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import resource
 import tempfile
+import threading
 import time
 
+import torch.distributed as dist
+
 from aiockpt._core import format as fmt
-from aiockpt._daemon.coord import Coordinator, Part, part_name
-from aiockpt.storage import LocalStorage
+from aiockpt._daemon.coord import Coordinator, Part
+from aiockpt._daemon.rendezvous import StorageRendezvous, StoreRendezvous
+from aiockpt._trainer.storeproxy import TorchStoreOps
+from aiockpt.storage import CountingStorage, LocalStorage
 
 
 def make_part(rank: int, n_tensors: int) -> Part:
@@ -32,47 +45,84 @@ def make_part(rank: int, n_tensors: int) -> Part:
     return Part(rank, shard, tensors, tree)
 
 
-def commit_once(ranks: int, n_tensors: int, root: str, step: int) -> tuple[float, int]:
-    storage = LocalStorage(root)
+def one_save(signals: str, ranks: int, n_tensors: int, late: float, root: str) -> dict:
+    storage = CountingStorage(LocalStorage(root))
+    store = dist.HashStore()
+    timeout = 120.0
+
+    def via(r: int):
+        if signals == "store":
+            return StoreRendezvous(TorchStoreOps(store), storage, r, ranks, timeout)
+        return StorageRendezvous(storage, r, ranks, timeout)
+
+    coords = [Coordinator(storage, r, ranks, timeout, via=via(r)) for r in range(ranks)]
+    parts = [make_part(r, n_tensors) for r in range(ranks)]
+    step, uuid = 1, "bench"
     step_dir = fmt.step_dirname(step)
-    storage.makedirs(step_dir)
-    uuid = f"bench{step}"
-    for r in range(1, ranks):
-        storage.put_atomic(f"{step_dir}/{part_name(uuid, r)}", make_part(r, n_tensors).encode())
-    own = make_part(0, n_tensors)
-    coord = Coordinator(storage, 0, ranks, timeout=60)
-    t0 = time.perf_counter()
-    coord.commit(step=step, uuid=uuid, part=own, metrics={"loss": 1.0}, metadata={})
-    elapsed = time.perf_counter() - t0
-    return elapsed, storage.size(f"{step_dir}/{fmt.MANIFEST}")
+    landed = [0.0] * ranks
+    committed = [0.0]
+    counts: list[dict[str, int]] = [{} for _ in range(ranks)]
+    errors: list[BaseException] = []
+
+    def rank_main(r: int) -> None:
+        with storage.scope() as c:
+            try:
+                if r == ranks - 1:
+                    time.sleep(late)
+                storage.makedirs(step_dir)
+                storage.write_file(f"{step_dir}/{fmt.shard_filename(r)}", [b"\0" * 64])
+                landed[r] = time.monotonic()
+                coords[r].commit(step=step, uuid=uuid, part=parts[r], metrics={}, metadata={})
+                if r == 0:
+                    committed[0] = time.monotonic()
+                    coords[0].finished(step, uuid)
+            except BaseException as e:
+                errors.append(e)
+        counts[r] = dict(c)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    per_rank = [sum(c.values()) for c in counts]
+    return {
+        "signals": signals,
+        "ranks": ranks,
+        "requests": sum(per_rank),
+        "max_per_rank": max(per_rank),
+        "rank0": per_rank[0],
+        "latency_s": committed[0] - max(landed),
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--ranks", default="1,8,64,256,1024")
+    p.add_argument("--ranks", default="2,16,256,1024")
     p.add_argument("--tensors", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--late", type=float, default=2.0)
     args = p.parse_args()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
     rows = []
-    with tempfile.TemporaryDirectory() as root:
-        step = 0
-        for ranks in [int(r) for r in args.ranks.split(",")]:
-            times = []
-            for _ in range(args.repeats):
-                step += 1
-                t, size = commit_once(ranks, args.tensors, root, step)
-                times.append(t)
-            rows.append((ranks, statistics.median(times), size))
-    print(f"{'ranks':>6} {'commit s':>10} {'per rank us':>12} {'manifest MiB':>13}")
-    for ranks, t, size in rows:
-        print(f"{ranks:>6} {t:>10.4f} {t / ranks * 1e6:>12.1f} {size / 2**20:>13.2f}")
-    # Compare per-rank cost against the smallest run past the fixed costs of one rank.
-    first, last = rows[1] if len(rows) > 2 else rows[0], rows[-1]
-    if last[0] > first[0]:
-        growth = (last[1] / last[0]) / (first[1] / first[0])
-        print(f"per-rank cost at {last[0]} ranks / at {first[0]}: {growth:.2f}x (1.0 = linear)")
+    for ranks in [int(r) for r in args.ranks.split(",")]:
+        for signals in ("storage", "store"):
+            with tempfile.TemporaryDirectory() as root:
+                rows.append(one_save(signals, ranks, args.tensors, args.late, root))
+    print(f"the last rank's shard lands {args.late} s after the others'; {args.tensors} tensors")
+    print(
+        f"{'ranks':>6} {'signals':>8} {'requests':>9} {'max/rank':>9} {'rank 0':>7} "
+        f"{'latency s':>10}"
+    )
+    for r in rows:
+        print(
+            f"{r['ranks']:>6} {r['signals']:>8} {r['requests']:>9} {r['max_per_rank']:>9} "
+            f"{r['rank0']:>7} {r['latency_s']:>10.3f}"
+        )
 
 
 if __name__ == "__main__":
