@@ -68,7 +68,7 @@ class AsyncCheckpointManager:
         root: str | os.PathLike[str] | None = None,
         *,
         storage_options: Mapping[str, Any] | None = None,
-        max_pending: int = 2,
+        max_pending: int = 1,
         retention: RetentionPolicy | None = None,
         event_handlers: Iterable[EventHandler] = (),
         process_group: Any = None,
