@@ -9,6 +9,7 @@ text. On one rank the commit is the manifest; on several, the ranks agree throug
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +20,7 @@ from .._core import dtable
 from .._core import format as fmt
 from .._core.catalog import Catalog, manifest_path
 from .._core.chunks import Chunk
+from .._core.crc import combine
 from .._core.lease import check_generation
 from .._core.protocol import CheckpointInfo, Hello, LayoutMsg, SaveDone, SaveReq, SlabFree
 from .._core.shm import Segment
@@ -61,7 +63,7 @@ def checksums(data: memoryview, layout: Layout) -> tuple[str, int, str]:
     the commit only splices text."""
     base = layout.msg.data_start
     tensor_crcs = [crc32c.crc32c(data[base + s.start : base + s.end]) for s in layout.specs]
-    shard_crc = crc32c.crc32c(data)
+    shard_crc = shard_checksum(data, layout, tensor_crcs)
     dtensors = ""
     if layout.dtensors:
         blocks = {
@@ -71,6 +73,36 @@ def checksums(data: memoryview, layout: Layout) -> tuple[str, int, str]:
         dtensors = dtable.rank_json(layout.dtensors, blocks)
     tensors = fmt.tensors_json(layout.specs, base, tensor_crcs, layout.json_parts())
     return tensors, shard_crc, dtensors
+
+
+#: A shard's crc is folded from its tensors' when they average at least this many bytes:
+#: a fold costs 15-80 us a tensor, reading the bytes again about 30 us per 64 KiB.
+FOLD_MIN_AVERAGE = 64 << 10
+
+
+def shard_checksum(data: memoryview, layout: Layout, tensor_crcs: list[int]) -> int:
+    """The crc32c of the whole shard: the header's, then each tensor's (and any padding's)
+    folded in, in file order, rather than a second pass over the bytes, unless the tensors
+    are so small that reading them again is cheaper."""
+    start, specs = layout.msg.data_start, layout.msg.specs
+    back_to_back = all(a[4] == b[3] for a, b in itertools.pairwise(specs))
+    if (
+        not specs
+        or len(specs) * FOLD_MIN_AVERAGE > len(data)
+        or not back_to_back
+        or specs[0][3] != 0
+        or start + specs[-1][4] != len(data)
+    ):
+        return crc32c.crc32c(data)
+    crcs = iter(tensor_crcs)
+    crc = crc32c.crc32c(data[:start])
+    for name, _dtype, _shape, begin, end in specs:
+        if name == fmt.PAD_NAME:
+            part = crc32c.crc32c(data[start + begin : start + end])
+        else:
+            part = next(crcs)
+        crc = combine(crc, part, end - begin)
+    return crc
 
 
 class Writer:

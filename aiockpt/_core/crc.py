@@ -1,0 +1,60 @@
+"""CRC-32C of a concatenation from the CRCs of its parts, without reading the bytes again.
+
+The shard's crc32c is the CRC of the whole file, and every tensor's crc32c is already computed
+as the shard is written: folding the tensors' CRCs into the file's costs microseconds where a
+second pass over a 1 GiB shard costs a third of a second on 2 cores. The algebra is zlib's
+``crc32_combine``: appending ``n`` bytes to a message multiplies its CRC by x^(8n) modulo the
+polynomial, and the CRC of the appended bytes adds to that (see Mark Adler's explanation in
+zlib's crc32.c). Here with the Castagnoli polynomial, in its reflected form.
+"""
+
+from __future__ import annotations
+
+import functools
+
+#: The Castagnoli polynomial, bit-reflected, x^32 implied.
+_POLY = 0x82F63B78
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a × b modulo the polynomial (both reflected, x^0 in the top bit)."""
+    m = 1 << 31
+    p = 0
+    while True:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+def _squares() -> tuple[int, ...]:
+    """x^(2^k) modulo the polynomial for k = 0 … 63: enough for any length in bits."""
+    table, p = [], 1 << 30  # x^1
+    for _ in range(64):
+        table.append(p)
+        p = _multmodp(p, p)
+    return tuple(table)
+
+
+_X2N = _squares()
+
+
+@functools.lru_cache(maxsize=4096)
+def _shift(nbytes: int) -> int:
+    """x^(8 × nbytes) modulo the polynomial; cached, as a state repeats its tensor sizes."""
+    p, k, n = 1 << 31, 3, nbytes  # x^0; 8 = 2^3
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k], p)
+        n >>= 1
+        k += 1
+    return p
+
+
+def combine(crc1: int, crc2: int, len2: int) -> int:
+    """The crc32c of ``a + b`` from ``crc1 = crc32c(a)``, ``crc2 = crc32c(b)`` and ``len(b)``."""
+    if len2 < 0:
+        raise ValueError(f"a length cannot be negative: {len2}")
+    return _multmodp(_shift(len2), crc1) ^ crc2
