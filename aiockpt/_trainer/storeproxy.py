@@ -91,9 +91,8 @@ def own_connection(store: Any) -> Any:
 
     inner = getattr(store, "_underlying_non_prefix_store", store)
     if isinstance(inner, dist.TCPStore):
-        return dist.TCPStore(
-            inner.host, inner.port, None, False, inner.timeout, wait_for_workers=False
-        )
+        timeout = inner.timeout  # type: ignore[attr-defined]  # a Store property the stubs lack
+        return dist.TCPStore(inner.host, inner.port, None, False, timeout, wait_for_workers=False)
     return store.clone()
 
 
