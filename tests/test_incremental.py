@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import anyio
+import crc32c
 import pytest
 import torch
 from _support.daemon import daemon_in_process
@@ -505,3 +506,34 @@ def test_two_saves_in_flight_refer_only_to_committed_bytes(root):
         assert got[step]["small"][0] == step
     (shard,) = manifest_of(root, 2)["shards"]
     assert {b[2] for b in shard["blocks"]} == {"", "step_000000000001/shard_r00000.safetensors"}
+
+
+def test_crcs_of_unchanged_blocks_come_from_the_base_and_stay_right(root):
+    """A tensor of three blocks, one changed per save: its crc is folded from the blocks'
+    crcs (the unchanged ones remembered, or after a restart computed with their hashes), and
+    every manifest's crcs are those of the bytes."""
+    big = torch.randn(40 << 18)  # 40 MiB: blocks of 16, 16 and 8 MiB
+    state = {"big": big, "small": torch.randn(10)}
+    quarter = BLOCK_BYTES // 4  # elements in one block
+
+    async def saves(steps: list[int]) -> None:
+        async with AsyncCheckpointManager(root) as mgr:
+            for step in steps:
+                big[(step % 3) * quarter + 7] += 1.0  # one element of one block
+                state["small"] += 1.0
+                await (await mgr.save(step, state))
+
+    crcs = {}
+
+    async def saves_noting_crcs(steps: list[int]) -> None:
+        await saves(steps)
+        crcs[steps[-1]] = crc32c.crc32c(big.numpy().tobytes())
+
+    anyio.run(saves_noting_crcs, [1, 2, 3])
+    # A restart: the base comes from the manifest, without crcs.
+    anyio.run(saves_noting_crcs, [4, 5])
+    for step, crc in crcs.items():
+        entry = manifest_of(root, step)["tensors"][fmt.shard_filename(0)]["big"]
+        assert entry["crc32c"] == crc, step
+    assert manifest_of(root, 5)["version"] == fmt.REFS_VERSION
+    assert cli("verify", root).returncode == 0  # every tensor's crc and the shards'

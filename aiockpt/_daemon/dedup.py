@@ -18,16 +18,24 @@ candidates, are hashed on the pool while the sure ones are written, and written 
 only if their hash is not the base's. Every block's hash is computed either way (it goes in
 the manifest), off the writing thread. After a restart no samples are known: every block
 that has a base block of its length is a candidate for the first save.
+
+**Checksums without another pass.** A new block's crc32c is computed by the task that hashes
+it, while its bytes are in cache; a block whose hash the base holds has the base block's bytes,
+hence its crc, which this writer remembers (after a restart, the first save computes them with
+the hashes). A tensor cut into whole blocks gets its crc folded from theirs (see
+:mod:`aiockpt._core.crc`), so unchanged weights are read once, to hash them, and no more.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import crc32c
 import xxhash
 
 from .._core import blocks as bl
@@ -42,6 +50,11 @@ _WORD = 8
 def digest(view: memoryview) -> str:
     """A block's content hash, as stored in the manifest."""
     return xxhash.xxh3_128_hexdigest(view)
+
+
+def digest_and_crc(view: memoryview) -> tuple[str, int]:
+    """A block's hash and crc32c, in one task while its bytes are in cache."""
+    return digest(view), crc32c.crc32c(view)
 
 
 def sample(view: memoryview) -> bytes:
@@ -65,6 +78,9 @@ class Base:
     step: int | None = None
     #: The size of each file the blocks are in (what a save referring to it keeps alive).
     sizes: dict[str, int] = field(default_factory=dict)
+    #: (length, hash) -> the block's crc32c, for the blocks this writer saw (none after a
+    #: restart: the manifest keeps crcs per tensor, not per block).
+    crcs: dict[tuple[int, str], int] = field(default_factory=dict)
 
     @classmethod
     def empty(cls) -> Base:
@@ -109,12 +125,18 @@ class Plan(Pieces):
             (hi - lo) in lengths and (known is None or (hi - lo, s) in known)
             for (lo, hi), s in zip(self.blocks, self.samples, strict=True)
         ]
-        # The candidates' hashes first: the writes of the others wait for nothing.
+        # The candidates' hashes first: the writes of the others wait for nothing. Their
+        # crcs too where the base knows none (the base's crc serves a block it holds).
         self._pool = pool
         self._hashes: dict[int, Future[str]] = {}
+        self._both: dict[int, Future[tuple[str, int]]] = {}
         for i, c in enumerate(self.candidate):
             if c:
-                self._hashes[i] = pool.submit(digest, data[self.blocks[i][0] : self.blocks[i][1]])
+                view = data[self.blocks[i][0] : self.blocks[i][1]]
+                if base.crcs:
+                    self._hashes[i] = pool.submit(digest, view)
+                else:
+                    self._both[i] = pool.submit(digest_and_crc, view)
         # Runs of sure blocks, the header joined to the first when they touch.
         runs: list[list[int]] = [[0, data_start]]
         for i, c in enumerate(self.candidate):
@@ -130,10 +152,48 @@ class Plan(Pieces):
         self._decided: dict[int, bool] = {}  # candidate index -> whether it is written
 
     def hash_rest(self) -> None:
-        """Start hashing the blocks new for sure (their hashes go in the manifest only)."""
+        """Start hashing the blocks new for sure, with their crcs (their hashes go in the
+        manifest only)."""
         for i, (lo, hi) in enumerate(self.blocks):
-            if i not in self._hashes:
-                self._hashes[i] = self._pool.submit(digest, self.data[lo:hi])
+            if i not in self._hashes and i not in self._both:
+                self._both[i] = self._pool.submit(digest_and_crc, self.data[lo:hi])
+
+    def _hash(self, i: int) -> str:
+        both = self._both.get(i)
+        return both.result()[0] if both is not None else self._hashes[i].result()
+
+    def tiles(self, spans: list[tuple[int, int]]) -> list[range | None]:
+        """For each (start, end) byte span of the shard: the blocks that tile it exactly,
+        first to last, or None when it shares a block with another span."""
+        starts = [lo for lo, _ in self.blocks]
+        out: list[range | None] = []
+        for a, b in spans:
+            j = bisect.bisect_left(starts, a)
+            k = j
+            while k < len(self.blocks) and self.blocks[k][1] <= b:
+                k += 1
+            tiled = a < b and j < k and starts[j] == a and self.blocks[k - 1][1] == b
+            out.append(range(j, k) if tiled else None)
+        return out
+
+    def block_crcs(self) -> list[int]:
+        """Every block's crc32c, once the plan is written: computed with its hash, or the
+        base's for a block the base holds, or computed now (a candidate the base turned out
+        not to hold)."""
+        late: dict[int, Future[int]] = {}
+        known: dict[int, int] = {}
+        for i, (lo, hi) in enumerate(self.blocks):
+            both = self._both.get(i)
+            if both is not None:
+                known[i] = both.result()[1]
+                continue
+            crc = self.base.crcs.get((hi - lo, self._hashes[i].result()))
+            if crc is None:
+                late[i] = self._pool.submit(crc32c.crc32c, self.data[lo:hi])
+            else:
+                known[i] = crc
+        known.update((i, f.result()) for i, f in late.items())
+        return [known[i] for i in range(len(self.blocks))]
 
     def __len__(self) -> int:
         return len(self._runs) + len(self._candidates)
@@ -159,7 +219,7 @@ class Plan(Pieces):
         reads: Counter[str] = Counter()
         for i in self._candidates:
             lo, hi = self.blocks[i]
-            hit = self.base.where.get((hi - lo, self._hashes[i].result()))
+            hit = self.base.where.get((hi - lo, self._hash(i)))
             if hit is not None:
                 found[i] = hit[0]
                 reads[hit[0]] += hi - lo
@@ -171,14 +231,17 @@ class Plan(Pieces):
         """Let every hash finish (none may run on the slab once the save lets it go)."""
         for f in self._hashes.values():
             f.exception()
+        for both in self._both.values():
+            both.exception()
 
     def release(self) -> None:
         """Let go of the slab: a view kept (by a traceback, say) would keep it mapped."""
         self.data.release()
 
-    def table(self, own: str, step: int) -> tuple[list[bl.Block], int, Base]:
+    def table(self, own: str, step: int, crcs: list[int]) -> tuple[list[bl.Block], int, Base]:
         """Once written: the block table, the own file's size, and the base for the next
-        save (``own``: this shard's path relative to the root, of step ``step``)."""
+        save (``own``: this shard's path relative to the root, of step ``step``; ``crcs``:
+        :meth:`block_crcs`)."""
         where: dict[int, tuple[str, int]] = {}
         run_at, at = [], 0  # where each run starts in the own file
         for lo, hi in self._runs:
@@ -197,19 +260,21 @@ class Plan(Pieces):
                 where[i] = ("", at)
                 at += hi - lo
             else:
-                where[i] = self.base.where[(hi - lo, self._hashes[i].result())]
+                where[i] = self.base.where[(hi - lo, self._hash(i))]
         table = []
         nxt: dict[tuple[int, str], tuple[str, int]] = {}
+        nxt_crcs: dict[tuple[int, str], int] = {}
         sizes = {own: at}
         for i, (lo, hi) in enumerate(self.blocks):
             source, offset = where[i]
-            h = self._hashes[i].result()
+            h = self._hash(i)
             table.append(bl.Block(hi - lo, h, source, offset))
             nxt.setdefault((hi - lo, h), (source or own, offset))
+            nxt_crcs[(hi - lo, h)] = crcs[i]
             if source:
                 sizes[source] = self.base.sizes[source]
         samples = {(hi - lo, s) for (lo, hi), s in zip(self.blocks, self.samples, strict=True)}
-        return table, at, Base(nxt, samples, step, sizes)
+        return table, at, Base(nxt, samples, step, sizes, nxt_crcs)
 
 
 def shard_fields(table: list[bl.Block], stored: int) -> dict[str, Any]:

@@ -57,12 +57,15 @@ class Layout:
         return self._json_parts
 
 
-def checksums(data: memoryview, layout: Layout) -> tuple[str, int, str]:
+def checksums(
+    data: memoryview, layout: Layout, tensor_crcs: list[int] | None = None
+) -> tuple[str, int, str]:
     """The manifest's tensor entries with their crcs, the shard's crc, and this rank's
     DTensor entries with their chunks' block crcs: computed while the shard is written, so
-    the commit only splices text."""
+    the commit only splices text. ``tensor_crcs``: the tensors' crcs when known already."""
     base = layout.msg.data_start
-    tensor_crcs = [crc32c.crc32c(data[base + s.start : base + s.end]) for s in layout.specs]
+    if tensor_crcs is None:
+        tensor_crcs = [crc32c.crc32c(data[base + s.start : base + s.end]) for s in layout.specs]
     shard_crc = shard_checksum(data, layout, tensor_crcs)
     dtensors = ""
     if layout.dtensors:
@@ -73,6 +76,19 @@ def checksums(data: memoryview, layout: Layout) -> tuple[str, int, str]:
         dtensors = dtable.rank_json(layout.dtensors, blocks)
     tensors = fmt.tensors_json(layout.specs, base, tensor_crcs, layout.json_parts())
     return tensors, shard_crc, dtensors
+
+
+def _crcs_of(data: memoryview, spans: list[tuple[int, int]]) -> list[int]:
+    return [crc32c.crc32c(data[a:b]) for a, b in spans]
+
+
+def _fold(blocks: list[tuple[int, int]], crcs: list[int], tile: range) -> int:
+    """The crc of the bytes of consecutive blocks, from theirs."""
+    crc = crcs[tile[0]]
+    for j in tile[1:]:
+        lo, hi = blocks[j]
+        crc = combine(crc, crcs[j], hi - lo)
+    return crc
 
 
 #: A shard's crc is folded from its tensors' when they average at least this many bytes:
@@ -233,13 +249,25 @@ class Writer:
             start = layout.msg.data_start
             spans = sorted((start + s[3], start + s[4]) for s in layout.msg.specs)
             plan = Plan(data, spans, start, self._base(step), self.pool)
-            crcs = self.pool.submit(checksums, data, layout)
+            # A tensor cut into whole blocks gets its crc from theirs; the others (small
+            # tensors sharing blocks) are read for theirs meanwhile.
+            where = [(start + s.start, start + s.end) for s in layout.specs]
+            tiles = plan.tiles(where)
+            loose = [w for w, t in zip(where, tiles, strict=True) if t is None]
+            direct = self.pool.submit(_crcs_of, data, loose)
             plan.hash_rest()
             try:
                 self.storage.write_file(path, plan)
-                table, stored, base = plan.table(path, step)
+                block_crcs = plan.block_crcs()
+                table, stored, base = plan.table(path, step, block_crcs)
+                loose_crcs = iter(direct.result())
+                tensor_crcs = [
+                    next(loose_crcs) if t is None else _fold(plan.blocks, block_crcs, t)
+                    for t in tiles
+                ]
+                result = checksums(data, layout, tensor_crcs)
             finally:
-                result = crcs.result()
+                direct.exception()  # never leave the view to a running thread
                 plan.wait()
                 plan.release()
         return result, shard_fields(table, stored), base
