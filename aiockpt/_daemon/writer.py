@@ -58,24 +58,33 @@ class Layout:
 
 
 def checksums(
-    data: memoryview, layout: Layout, tensor_crcs: list[int] | None = None
+    data: memoryview,
+    layout: Layout,
+    tensor_crcs: list[int] | None = None,
+    dtensors: str | None = None,
 ) -> tuple[str, int, str]:
     """The manifest's tensor entries with their crcs, the shard's crc, and this rank's
     DTensor entries with their chunks' block crcs: computed while the shard is written, so
-    the commit only splices text. ``tensor_crcs``: the tensors' crcs when known already."""
+    the commit only splices text. ``tensor_crcs`` and ``dtensors``: those already known."""
     base = layout.msg.data_start
     if tensor_crcs is None:
         tensor_crcs = [crc32c.crc32c(data[base + s.start : base + s.end]) for s in layout.specs]
     shard_crc = shard_checksum(data, layout, tensor_crcs)
-    dtensors = ""
-    if layout.dtensors:
-        blocks = {
-            s.name: dtable.block_crcs(data[base + s.start : base + s.end])
-            for s in layout.chunk_specs
-        }
-        dtensors = dtable.rank_json(layout.dtensors, blocks)
+    if dtensors is None:
+        dtensors = dtensor_entries(data, layout)
     tensors = fmt.tensors_json(layout.specs, base, tensor_crcs, layout.json_parts())
     return tensors, shard_crc, dtensors
+
+
+def dtensor_entries(data: memoryview, layout: Layout) -> str:
+    """This rank's entries of the distributed-tensor table, with its chunks' block crcs."""
+    if not layout.dtensors:
+        return ""
+    base = layout.msg.data_start
+    blocks = {
+        s.name: dtable.block_crcs(data[base + s.start : base + s.end]) for s in layout.chunk_specs
+    }
+    return dtable.rank_json(layout.dtensors, blocks)
 
 
 def _crcs_of(data: memoryview, spans: list[tuple[int, int]]) -> list[int]:
@@ -255,6 +264,7 @@ class Writer:
             tiles = plan.tiles(where)
             loose = [w for w, t in zip(where, tiles, strict=True) if t is None]
             direct = self.pool.submit(_crcs_of, data, loose)
+            dtensors = self.pool.submit(dtensor_entries, data, layout)
             plan.hash_rest()
             try:
                 self.storage.write_file(path, plan)
@@ -265,9 +275,10 @@ class Writer:
                     next(loose_crcs) if t is None else _fold(plan.blocks, block_crcs, t)
                     for t in tiles
                 ]
-                result = checksums(data, layout, tensor_crcs)
+                result = checksums(data, layout, tensor_crcs, dtensors.result())
             finally:
                 direct.exception()  # never leave the view to a running thread
+                dtensors.exception()
                 plan.wait()
                 plan.release()
         return result, shard_fields(table, stored), base
