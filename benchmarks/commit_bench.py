@@ -14,6 +14,7 @@ Printed: storage requests per save (all ranks, and the most any rank made), and 
 latency, from the last shard landing to the manifest written.
 
     python benchmarks/commit_bench.py [--ranks 2,16,256,1024] [--late 2.0] [--tensors 64]
+                                      [--plot docs/commit.png]
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ def main() -> None:
     p.add_argument("--ranks", default="2,16,256,1024")
     p.add_argument("--tensors", type=int, default=64)
     p.add_argument("--late", type=float, default=2.0)
+    p.add_argument("--plot", help="write a plot of both columns against the ranks here")
     args = p.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
@@ -123,6 +125,34 @@ def main() -> None:
             f"{r['ranks']:>6} {r['signals']:>8} {r['requests']:>9} {r['max_per_rank']:>9} "
             f"{r['rank0']:>7} {r['latency_s']:>10.3f}"
         )
+    if args.plot:
+        plot(rows, args.late, args.plot)
+        print(f"wrote {args.plot}")
+
+
+def plot(rows: list[dict], late: float, path: str) -> None:
+    """Requests per save and commit latency against the ranks, both ways, log-log."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for signals, style in (("storage", "o--"), ("store", "s-")):
+        mine = [r for r in rows if r["signals"] == signals]
+        ranks = [r["ranks"] for r in mine]
+        left.plot(ranks, [r["requests"] for r in mine], style, label=f"{signals} signals")
+        right.plot(ranks, [r["latency_s"] for r in mine], style, label=f"{signals} signals")
+    left.set(title="storage requests per save", xlabel="ranks", xscale="log", yscale="log")
+    right.set(
+        title="last shard landed -> committed (s)", xlabel="ranks", xscale="log", yscale="log"
+    )
+    for ax in (left, right):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"one multi-rank save, the last rank {late:g} s late")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
