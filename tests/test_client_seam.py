@@ -154,7 +154,7 @@ async def test_a_save_resolves_its_handle_when_the_daemon_commits_it(root):
 async def test_a_daemon_death_fails_every_pending_save_with_its_exit_code(root):
     daemon = FakeDaemon()
     rec = Recorder()
-    async with FakeDaemonManager(daemon, root, event_handlers=[rec]) as mgr:
+    async with FakeDaemonManager(daemon, root, event_handlers=[rec], max_pending=2) as mgr:
         first_pid = mgr.daemon_pid
         assert first_pid == daemon.current.pid
         handles = [await mgr.save(step, STATE) for step in (1, 2)]
