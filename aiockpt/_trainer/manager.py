@@ -106,8 +106,6 @@ class AsyncCheckpointManager:
         self._owner = uuid.uuid4().hex
         self.process_group = process_group
         self._group: _dist.Group | None = None
-        #: The job's c10d store, relayed to the daemon; None on one rank or without one.
-        self._store: Any = None
         self.rank = 0
         self.world_size = 1
         self._handlers = list(event_handlers)
@@ -160,8 +158,6 @@ class AsyncCheckpointManager:
         self._group = _dist.resolve_group(self.process_group)
         if self._group is not None:
             self.rank, self.world_size = self._group.rank, self._group.world_size
-            if self.world_size > 1:  # the commit's signals go through it (see storeproxy)
-                self._store = group_store(self._group.pg)
         self.events = EventDispatcher(
             [*self._handlers, *entry_point_handlers()],
             rank=self.rank,
@@ -265,8 +261,10 @@ class AsyncCheckpointManager:
     async def _connect(self, hello: Hello, callbacks: DaemonCallbacks) -> DaemonClient:
         """Start a daemon and connect to it: the seam a test overrides to run the manager
         against a daemon of its own."""
+        # On several ranks the commit signals through the job's store, relayed by this process.
+        store = group_store(self._group.pg) if self._group and self.world_size > 1 else None
         return await SubprocessClient.spawn(
-            hello, callbacks, start_timeout=self.start_timeout, store=self._store
+            hello, callbacks, start_timeout=self.start_timeout, store=store
         )
 
     def _emit(self, name: str, **fields: Any) -> None:
