@@ -130,6 +130,7 @@ class Plan(Pieces):
         self._pool = pool
         self._hashes: dict[int, Future[str]] = {}
         self._both: dict[int, Future[tuple[str, int]]] = {}
+        self._late: dict[int, Future[int]] = {}  # crcs computed after the write
         for i, c in enumerate(self.candidate):
             if c:
                 view = data[self.blocks[i][0] : self.blocks[i][1]]
@@ -180,7 +181,7 @@ class Plan(Pieces):
         """Every block's crc32c, once the plan is written: computed with its hash, or the
         base's for a block the base holds, or computed now (a candidate the base turned out
         not to hold)."""
-        late: dict[int, Future[int]] = {}
+        late = self._late
         known: dict[int, int] = {}
         for i, (lo, hi) in enumerate(self.blocks):
             both = self._both.get(i)
@@ -233,6 +234,8 @@ class Plan(Pieces):
             f.exception()
         for both in self._both.values():
             both.exception()
+        for late in self._late.values():
+            late.exception()
 
     def release(self) -> None:
         """Let go of the slab: a view kept (by a traceback, say) would keep it mapped."""
