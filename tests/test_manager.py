@@ -4,6 +4,7 @@ import json
 import math
 import os
 import signal
+import time
 import warnings
 
 import anyio
@@ -374,6 +375,34 @@ async def test_corrupt_byte_is_caught_on_load(root):
         ) as exc:
             await mgr.load(1)
         assert exc.value.key == "b"
+
+
+def test_a_failed_check_waits_for_the_others_before_the_segment_is_unmapped(tmp_path):
+    """A load whose first crc check fails while a later one still runs: the failure is raised
+    only once every check is over (unmapping memory a running check reads raised
+    BufferError instead of the corrupt tensor's error)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from aiockpt._core.catalog import Catalog
+    from aiockpt._daemon.reader import Reader
+    from aiockpt._daemon.shared import Slabs
+    from aiockpt.storage import LocalStorage
+
+    finished = []
+
+    def slow() -> None:
+        time.sleep(0.5)
+        finished.append(True)
+
+    def corrupt() -> None:
+        raise CorruptCheckpointError("tensor 'a' failed its crc32c check")
+
+    with ThreadPoolExecutor(2) as pool:
+        reader = Reader(Catalog(LocalStorage(str(tmp_path))), Slabs(), pool)
+        reader._checks = [pool.submit(corrupt), pool.submit(slow)]
+        with pytest.raises(CorruptCheckpointError, match="tensor 'a'"):
+            reader._wait_checks()
+        assert finished == [True]
 
 
 async def test_truncated_manifest_is_refused(root):

@@ -349,11 +349,13 @@ class Reader:
     def _wait_checks(self, *, quiet: bool = False) -> None:
         """Wait for the crc checks started; raise the first failure (unless ``quiet``)."""
         checks, self._checks = self._checks, []
-        for check in checks:
-            if quiet:
-                check.exception()
-            else:
-                check.result()
+        failure = None
+        for check in checks:  # every one waited for: none may run on a segment closed next
+            error = check.exception()
+            if failure is None and error is not None and not quiet:
+                failure = error
+        if failure is not None:
+            raise failure
 
     def close(self) -> None:
         """Unlink the segments of every load served: the trainer maps each one it takes over
