@@ -160,6 +160,11 @@ class StateChangedError(CheckpointError, RuntimeError):
     when another thread modifies it; nothing was written."""
 
 
+class StagingMemoryError(CheckpointError, ValueError):
+    """``staging_memory`` is too small for the state being saved: its shard cannot be cut into
+    windows that fit (the message says the least that works); nothing was written."""
+
+
 class ReadOnlyError(CheckpointError, PermissionError):
     """``save()`` on a manager opened with ``read_only=True``."""
 
@@ -191,4 +196,5 @@ CALLER_ERRORS: tuple[type[CheckpointError], ...] = (
     LoadMismatchError,
     CheckpointNotFoundError,
     ManagerClosedError,
+    StagingMemoryError,
 )

@@ -20,6 +20,8 @@ from aiockpt.storage.testing import StorageContract
 
 
 class TestLocalPath(StorageContract):
+    writes_in_order = True
+
     @pytest.fixture
     def storage_factory(self, tmp_path):
         root = str(tmp_path / "root")
@@ -27,6 +29,8 @@ class TestLocalPath(StorageContract):
 
 
 class TestFileURL(StorageContract):
+    writes_in_order = True
+
     @pytest.fixture
     def storage_factory(self, tmp_path):
         url = f"file://{tmp_path}/root"
@@ -42,6 +46,8 @@ class TestFileURL(StorageContract):
 class TestLocalBuffered(StorageContract):
     """LocalStorage without O_DIRECT: the path taken where a filesystem has none."""
 
+    writes_in_order = True
+
     @pytest.fixture
     def storage_factory(self, tmp_path):
         return lambda: LocalStorage(str(tmp_path / "root"), direct_io=False)
@@ -49,6 +55,8 @@ class TestLocalBuffered(StorageContract):
 
 class TestFsspecFile(StorageContract):
     """The generic fsspec implementation, over fsspec's local filesystem."""
+
+    writes_in_order = True
 
     conditional_create = False  # fsspec's create mode is exists() then write: not offered
 
@@ -59,6 +67,7 @@ class TestFsspecFile(StorageContract):
 
 
 class TestMemory(StorageContract):
+    writes_in_order = True
     large_size = 3 * 1024 * 1024 + 5
 
     @pytest.fixture

@@ -10,7 +10,9 @@ The conversation:
   an error, and exits). Each side checks the other's :data:`PROTOCOL`, so a daemon and a manager
   of different versions never talk past each other.
 - :class:`SaveReq` goes to the daemon's writer, in order; the daemon answers
-  :class:`SlabFree` once the slab's bytes are durable, then one :class:`SaveDone`.
+  :class:`SlabFree` once the slab's bytes are durable, then one :class:`SaveDone`. A save
+  staged in windows sends its ``SaveReq`` first, then a :class:`WindowReady` per window, each
+  answered by a ``SlabFree`` once the daemon has written its bytes.
 - A :class:`ReadReq` (steps, records, load, …) goes to the daemon's reader and is answered by
   one :class:`Reply` with the same ``id``, whose ``value`` is the request's reply type.
 - :class:`EventMsg` carries the daemon's events up, in order; :class:`Stop` asks it to finish
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: Bumped on any change to these messages; checked by both ends in the handshake.
-PROTOCOL = 6
+PROTOCOL = 7
 
 #: How a loaded tensor lies in shared memory: (safetensors dtype, shape, byte offset).
 TensorAt = tuple[str, tuple[int, ...], int]
@@ -162,6 +164,22 @@ class SaveReq:
     #: On ranks other than 0 of a writing manager: the generation of the lease rank 0 holds,
     #: checked before this rank writes (None: rank 0, which holds it, or no lease).
     lease_generation: int | None = None
+    #: A save staged in windows (see _core/windows.py): the shard file's byte ranges, in
+    #: order, each sent as a :class:`WindowReady` once copied; ``slab`` is then unused.
+    windows: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class WindowReady:
+    """Window ``index`` of save ``uuid`` is staged in ``slab``, at its start; answered by a
+    :class:`SlabFree` once the daemon has handed its bytes to storage. With ``error`` the
+    trainer gave up staging the save: no later window comes, the save fails with it."""
+
+    uuid: str
+    index: int
+    slab: str = ""
+    slab_size: int = 0
+    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -109,15 +109,25 @@ class Plan(Pieces):
     def __init__(
         self,
         data: memoryview,
-        layout_spans: list[tuple[int, int]],
+        blocks: list[tuple[int, int]],
         data_start: int,
         base: Base,
         pool: ThreadPoolExecutor,
+        *,
+        reads: Counter[str] | None = None,
+        pace: float = 1.0,
     ) -> None:
+        """The plan of ``data``: a header of ``data_start`` bytes, then ``blocks`` (offsets in
+        ``data``, tiling the rest; see blocks.cut_blocks). A shard staged in windows makes
+        one plan per window (the header in the first): ``reads`` then counts, across them,
+        the bytes referred to in each base file, and ``pace`` is the part of the shard seen
+        by the end of this window (see :meth:`_decide`)."""
         self.data = data[:]  # a view of its own, released when the plan is done
         self.base = base
-        self.blocks = bl.cut_blocks(layout_spans, data_start, len(data))
+        self.blocks = blocks
         self.data_start = data_start
+        self._reads = Counter() if reads is None else reads
+        self._pace = pace
         self.samples = [sample(data[lo:hi]) for lo, hi in self.blocks]
         lengths = base.lengths()
         known = base.samples
@@ -215,16 +225,21 @@ class Plan(Pieces):
     def _decide(self) -> None:
         """Which candidates are written: those the base does not hold, and those in a file
         this save would read less than half of (referring to a few blocks would keep the
-        whole file alive), so a kept file is always at least half read by a kept step."""
+        whole file alive), so a kept file is always at least half read by a kept step.
+
+        A shard staged in windows decides each window as it comes, before the next is
+        known: a file is referred to while the bytes read from it so far keep pace with
+        that half (half its size times the part of the shard seen so far)."""
         found: dict[int, str] = {}
-        reads: Counter[str] = Counter()
+        reads = self._reads
         for i in self._candidates:
             lo, hi = self.blocks[i]
             hit = self.base.where.get((hi - lo, self._hash(i)))
             if hit is not None:
                 found[i] = hit[0]
                 reads[hit[0]] += hi - lo
-        worth = {path for path, n in reads.items() if 2 * n >= self.base.sizes.get(path, 0) > 0}
+        sizes, pace = self.base.sizes, self._pace
+        worth = {path for path, n in reads.items() if 2 * n >= sizes.get(path, 0) * pace > 0}
         for i in self._candidates:
             self._decided[i] = found.get(i) not in worth
 

@@ -37,9 +37,11 @@ from .._core.protocol import (
     RecordsReq,
     Reply,
     SaveReq,
+    SlabFree,
     StepRecord,
     StepsReq,
     Stop,
+    WindowReady,
     check_protocol,
 )
 from .._core.shm import trainer_segments, unlink
@@ -51,7 +53,7 @@ from .pipe import Outbox, remote_error
 from .prune import Pruner
 from .reader import Reader
 from .rendezvous import StoreRendezvous
-from .shared import InFlight, Slabs
+from .shared import InFlight, Slabs, Windows
 from .writer import Writer
 
 __all__ = ["Daemon", "PipeEnd", "main"]
@@ -71,6 +73,7 @@ class Daemon:
         self.storage = CountingStorage(opened)
         self.catalog = Catalog(self.storage)
         self.slabs = Slabs()
+        self.windows = Windows(lambda name: self.outbox.send(SlabFree(name)))
         self.in_flight = InFlight()
         #: Checksums, next to the writer's writes and the reader's reads.
         self.pool = ThreadPoolExecutor(2, thread_name_prefix="aiockpt-crc")
@@ -96,6 +99,7 @@ class Daemon:
             self.catalog,
             cfg,
             slabs=self.slabs,
+            windows=self.windows,
             pool=self.pool,
             coord=self.coord,
             pruner=self.pruner,
@@ -200,11 +204,15 @@ class Daemon:
             if isinstance(msg, SaveReq):
                 self.in_flight.add(msg.step)  # before the writer sees it: see InFlight
                 self.save_q.put(msg)
+            elif isinstance(msg, WindowReady):
+                self.windows.put(msg)
             elif isinstance(msg, ReadReq):
                 self.read_q.put(msg)
             elif isinstance(msg, Stop):
                 break
-        # Staged saves still commit, whether we were asked to stop or the trainer died.
+        # Staged saves still commit, whether we were asked to stop or the trainer died; one
+        # still being staged in windows can never be finished.
+        self.windows.close()
         self.save_q.put(None)
         self.read_q.put(None)
         writer.join()

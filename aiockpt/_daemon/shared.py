@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import queue
 import threading
+from collections.abc import Callable
 
+from .._core.protocol import WindowReady
 from .._core.shm import Segment
 
 
@@ -71,3 +74,59 @@ class Slabs:
         with self._lock:
             for seg in self._segments.values():
                 seg.close()
+
+
+class Windows:
+    """The windows of saves staged in pieces (:class:`WindowReady`), from the main thread to
+    the writer: one queue per save. A window of a save the writer is done with, or that
+    arrives after the trainer is gone, is handed straight back (``free``)."""
+
+    def __init__(self, free: Callable[[str], None]) -> None:
+        self._free = free
+        self._queues: dict[str, queue.SimpleQueue[WindowReady | None]] = {}
+        self._done: dict[str, None] = {}  # the last saves finished, oldest first
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def _queue(self, uuid: str) -> queue.SimpleQueue[WindowReady | None]:
+        q = self._queues.get(uuid)
+        if q is None:
+            q = self._queues[uuid] = queue.SimpleQueue()
+            if self._closed:
+                q.put(None)
+        return q
+
+    def put(self, msg: WindowReady) -> None:
+        """A window arrived (main thread)."""
+        with self._lock:
+            if msg.uuid not in self._done:
+                self._queue(msg.uuid).put(msg)
+                return
+        if msg.slab:
+            self._free(msg.slab)
+
+    def take(self, uuid: str) -> WindowReady | None:
+        """The next window of save ``uuid``, waiting for it; None once the trainer is gone."""
+        with self._lock:
+            q = self._queue(uuid)
+        return q.get()
+
+    def finish(self, uuid: str) -> None:
+        """The writer is done with save ``uuid``: its windows still queued, and any that come
+        later, are handed back."""
+        with self._lock:
+            self._done[uuid] = None
+            if len(self._done) > 64:  # a late window comes before the trainer's next save
+                del self._done[next(iter(self._done))]
+            q = self._queues.pop(uuid, None)
+        while q is not None and not q.empty():
+            msg = q.get()
+            if msg is not None and msg.slab:
+                self._free(msg.slab)
+
+    def close(self) -> None:
+        """The trainer is gone: a save waiting for a window, or that will, gets None."""
+        with self._lock:
+            self._closed = True
+            for q in self._queues.values():
+                q.put(None)

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import crc32c
 
+from .._core import blocks as bl
 from .._core import dtable
 from .._core import format as fmt
 from .._core.catalog import Catalog, manifest_path
@@ -31,7 +32,8 @@ from .coord import Coordinator, Fence, Part, merge, no_fence, publish_manifest
 from .dedup import Base, Plan, shard_fields
 from .pipe import Outbox, remote_error
 from .prune import Pruner
-from .shared import Slabs
+from .shared import Slabs, Windows
+from .stream import ShardStream, check_storage
 
 
 class Layout:
@@ -139,6 +141,7 @@ class Writer:
         cfg: Hello,
         *,
         slabs: Slabs,
+        windows: Windows,
         pool: ThreadPoolExecutor,
         coord: Coordinator | None,
         pruner: Pruner,
@@ -155,6 +158,7 @@ class Writer:
         self.rank = cfg.rank
         self.shard = fmt.shard_filename(cfg.rank)
         self.slabs = slabs
+        self.windows = windows
         self.pool = pool
         self.coord = coord
         self.pruner = pruner
@@ -178,14 +182,21 @@ class Writer:
         step_dir = fmt.step_dirname(req.step)
         try:
             tree, layout = self._take(req)
-            seg = self.slabs.get(req.slab, req.slab_size)
+            if req.windows:
+                check_storage(self.storage, self.storage.url)
             if self.catalog.is_committed(req.step):
                 raise StepExistsError(f"step {req.step} is already committed in {self.storage.url}")
             self._fence(req, f"write step {req.step}")
             self.storage.makedirs(step_dir)
             created_dir = True
-            (tensors, shard_crc, dtensors), table, base = self._write_shard(req.step, seg, layout)
-            self.outbox.send(SlabFree(req.slab))
+            if req.windows:
+                (tensors, shard_crc, dtensors), table, base = self._write_windows(req, layout)
+            else:
+                seg = self.slabs.get(req.slab, req.slab_size)
+                (tensors, shard_crc, dtensors), table, base = self._write_shard(
+                    req.step, seg, layout
+                )
+                self.outbox.send(SlabFree(req.slab))
             slab_free = True
             written = time.monotonic()
             nbytes = layout.msg.file_size
@@ -257,7 +268,8 @@ class Writer:
                 return result, {}, None
             start = layout.msg.data_start
             spans = sorted((start + s[3], start + s[4]) for s in layout.msg.specs)
-            plan = Plan(data, spans, start, self._base(step), self.pool)
+            blocks = bl.cut_blocks(spans, start, len(data))
+            plan = Plan(data, blocks, start, self._base(step), self.pool)
             # A tensor cut into whole blocks gets its crc from theirs; the others (small
             # tensors sharing blocks) are read for theirs meanwhile.
             where = [(start + s.start, start + s.end) for s in layout.specs]
@@ -281,6 +293,33 @@ class Writer:
                 dtensors.exception()
                 plan.wait()
                 plan.release()
+        return result, shard_fields(table, stored), base
+
+    def _write_windows(
+        self, req: SaveReq, layout: Layout
+    ) -> tuple[tuple[str, int, str], dict[str, object], Base | None]:
+        """Write a shard staged in windows as they come (see stream.py); returns what
+        :meth:`_write_shard` does."""
+        path = f"{fmt.step_dirname(req.step)}/{self.shard}"
+        stream = ShardStream(
+            req,
+            layout.msg.specs,
+            layout.msg.data_start,
+            frozenset(s.name for s in layout.chunk_specs),
+            own=path,
+            base=self._base(req.step) if self.dedup else None,
+            slabs=self.slabs,
+            windows=self.windows,
+            pool=self.pool,
+            outbox=self.outbox,
+        )
+        try:
+            self.storage.write_file(path, stream)  # type: ignore[arg-type]  # an iterable
+        finally:
+            self.windows.finish(req.uuid)
+        result, table, stored, base = stream.result(
+            layout.specs, layout.json_parts(), layout.dtensors
+        )
         return result, shard_fields(table, stored), base
 
     def _base(self, step: int) -> Base:
@@ -341,7 +380,9 @@ class Writer:
         self, req: SaveReq, exc: BaseException, *, slab_free: bool, created_dir: bool
     ) -> None:
         """End a failed save: the slab back, the other ranks told, our partial removed."""
-        if not slab_free:
+        if req.windows:
+            self.windows.finish(req.uuid)  # the windows still to come go back
+        elif not slab_free:
             self.outbox.send(SlabFree(req.slab))
         if self.coord is not None and not isinstance(exc, DistributedSaveError):
             with contextlib.suppress(Exception):

@@ -35,6 +35,25 @@ def positive_int(name: str, value: Any) -> int:
     return value
 
 
+def staging_memory(value: Any) -> int | float | None:
+    """``staging_memory``: None (no cap), an int of bytes (at least 1), or a float fraction of
+    the shard's size in (0, 1]."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"staging_memory must be an int of bytes or a float fraction, not {value!r}"
+        )
+    if isinstance(value, float) and not 0 < value <= 1:
+        raise ValueError(
+            f"staging_memory as a float is a fraction of the shard's size, in (0, 1]: "
+            f"not {value!r} (give bytes as an int)"
+        )
+    if isinstance(value, int) and value < 1:
+        raise ValueError(f"staging_memory must be at least 1 byte, not {value!r}")
+    return value
+
+
 def positive_float(name: str, value: Any) -> float:
     """``value`` as a float, if it is positive."""
     if not value > 0:

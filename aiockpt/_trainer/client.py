@@ -43,6 +43,7 @@ from .._core.protocol import (
     StepsReq,
     Stop,
     Wanted,
+    WindowReady,
     check_protocol,
 )
 from ..errors import DaemonDiedError, DaemonStartError
@@ -132,8 +133,9 @@ class DaemonClient(Protocol):
         raises DaemonDiedError when the daemon is gone before it answers."""
         ...
 
-    def send_save(self, req: SaveReq) -> None:
-        """Queue a save for the daemon's writer; raises OSError when the pipe is gone."""
+    def send_save(self, req: SaveReq | WindowReady) -> None:
+        """Queue a save, or a window of one, for the daemon's writer; raises OSError when
+        the pipe is gone."""
         ...
 
     async def stop(self) -> None:
@@ -303,8 +305,9 @@ class SubprocessClient:
             raise reply.error
         return reply.value
 
-    def send_save(self, req: SaveReq) -> None:
-        """Queue a save for the daemon's writer; raises OSError when the pipe is gone."""
+    def send_save(self, req: SaveReq | WindowReady) -> None:
+        """Queue a save, or a window of one, for the daemon's writer; raises OSError when
+        the pipe is gone."""
         self._chan.send(req)
 
     async def stop(self) -> None:

@@ -24,6 +24,8 @@ class SaveHandle:
         self._loop = loop_token()
         self._info: CheckpointInfo | None = None
         self._error: BaseException | None = None
+        #: While save() still stages it in windows: a failure is save()'s to raise and report.
+        self.staging = False
 
     def done(self) -> bool:
         """Whether the save has ended: committed or failed."""
@@ -35,6 +37,11 @@ class SaveHandle:
         if not self._event.is_set():
             self._info, self._error = info, error
             self._event.set()
+
+    def raise_error(self) -> None:
+        """Raise the error of a save that failed."""
+        if self._error is not None:
+            raise self._error
 
     async def wait(self) -> CheckpointInfo:
         """The committed checkpoint; raises the save's error if it failed."""
@@ -118,6 +125,9 @@ class Ledger:
         if handle is None:
             return
         self.in_flight.discard(handle.step)
+        if handle.staging:  # failed while save() was staging it: save() raises the error
+            handle._resolve(msg.info, msg.error)
+            return
         if msg.info is not None:
             self.committed.add(handle.step)
             self.committed.difference_update(msg.deleted)

@@ -123,7 +123,8 @@ class Loader:
             )
             for h in held.values()
         }
-        if layout is not None:
+        if layout is not None and self._pool.window_size(layout.file_size) is None:
+            # (A shard staged in windows has no slab of its size: read into a fresh segment.)
             slab = await self._pool.acquire(layout.file_size, layout.id)
         try:
             reply = await self._read(

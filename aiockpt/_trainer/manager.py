@@ -69,6 +69,7 @@ class AsyncCheckpointManager:
         *,
         storage_options: Mapping[str, Any] | None = None,
         max_pending: int = 1,
+        staging_memory: int | float | None = None,
         retention: RetentionPolicy | None = None,
         event_handlers: Iterable[EventHandler] = (),
         process_group: Any = None,
@@ -114,7 +115,7 @@ class AsyncCheckpointManager:
         self._loop: Any = None
         self._exit_stack: contextlib.AsyncExitStack | None = None
         self._sigterm: SigtermFlush | None = None
-        self._pool = SlabPool(max_pending)
+        self._pool = SlabPool(max_pending, checks.staging_memory(staging_memory))
         flattener, layouts = Flattener(), LayoutCache()
         self._ledger = Ledger(self.url, self._emit)
         self._mirror = DaemonMirror(flattener, layouts)

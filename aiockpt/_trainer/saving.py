@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid as uuid_mod
 from collections.abc import Mapping
@@ -9,14 +10,15 @@ from typing import Any
 
 import anyio
 
-from .._core.protocol import SaveReq
-from ..errors import CheckpointError, DaemonDiedError, StateChangedError
+from .._core.protocol import SaveReq, WindowReady
+from .._core.windows import cut_windows, least_capacity
+from ..errors import CheckpointError, DaemonDiedError, StagingMemoryError, StateChangedError
 from . import dist as _dist
 from .checks import clean_metadata, clean_metrics
 from .client import DaemonClient
 from .ledger import Emit, Ledger, SaveHandle
 from .mirror import DaemonMirror
-from .staging import Layout, LayoutCache, Slab, SlabPool
+from .staging import Layout, LayoutCache, Slab, SlabPool, copy_window, sources_match, window_copies
 from .state import Flat, Flattener, StaleFlat
 from .supervisor import Supervisor
 
@@ -125,14 +127,15 @@ class Saver:
         self._ledger.in_flight.add(step)
         self._mirror.hold(handle.uuid, flat)
         slab = None
+        sent = False
         try:
-            flat, layout, slab = await self._stage(state, flat, handle.uuid)
+            flat, layout, slab, windows = await self._stage(state, flat, handle.uuid)
             delta = self._mirror.delta(flat, layout)
             req = SaveReq(
                 uuid=handle.uuid,
                 step=step,
-                slab=slab.name,
-                slab_size=slab.size,
+                slab=slab.name if slab is not None else "",
+                slab_size=slab.size if slab is not None else 0,
                 layout_id=layout.id,
                 layout=delta.layout,
                 tree=flat.tree,
@@ -143,6 +146,7 @@ class Saver:
                 forget_fragments=delta.forget_fragments,
                 forget_layouts=delta.forget_layouts,
                 lease_generation=self._daemons.lease_generation,
+                windows=windows,
             )
             if not client.alive:
                 raise DaemonDiedError(
@@ -150,19 +154,76 @@ class Saver:
                 )
             self._ledger.pending[handle.uuid] = handle
             client.send_save(req)
+            sent = True
+            self._mirror.sent(req)
+            if windows:
+                await self._stream(client, handle, flat, layout, windows)
         except BaseException:
             self._ledger.pending.pop(handle.uuid, None)
-            if slab is not None:
+            if slab is not None and not sent:
                 self._pool.release(slab.name)
             self._ledger.in_flight.discard(step)
             raise
         finally:
             self._mirror.release(handle.uuid)
-        self._mirror.sent(req)
         return layout.file_size
 
-    async def _stage(self, state: Any, flat: Flat, uuid: str) -> tuple[Flat, Layout, Slab]:
-        """The snapshot: copy the state into a slab.
+    async def _stream(
+        self,
+        client: DaemonClient,
+        handle: SaveHandle,
+        flat: Flat,
+        layout: Layout,
+        windows: tuple[tuple[int, int], ...],
+    ) -> None:
+        """Stage a save in windows, two slabs taking turns: each window is copied once the
+        daemon has written the one its slab held before. On an error the daemon is told, and
+        the save fails."""
+        size = self._pool.window_size(layout.file_size)
+        assert size is not None
+        jobs = window_copies(layout, windows)
+        flats: dict[int, Any] = {}
+        handle.staging = True
+        slabs = await self._pool.acquire_windows(size)
+        unsent = list(slabs)  # lent to this save and not sent to the daemon
+        index = 0
+        try:
+            for index, job in enumerate(jobs):
+                slab = slabs[index % 2]
+                if slab not in unsent:
+                    await self._pool.returned(slab)
+                    self._check_going(client, handle)
+                    self._pool.lend(slab)
+                    unsent.append(slab)
+                await anyio.to_thread.run_sync(copy_window, slab, job, flat.tensors, flats)
+                self._check_going(client, handle)
+                client.send_save(WindowReady(handle.uuid, index, slab.name, slab.size))
+                unsent.remove(slab)
+        except BaseException as e:
+            if client.alive and not handle.done():
+                with contextlib.suppress(OSError, ValueError):
+                    why = f"{type(e).__name__}: {e}"
+                    client.send_save(WindowReady(handle.uuid, index, error=why))
+            raise
+        finally:
+            handle.staging = False
+            self._pool.close_windows(slabs, unsent)
+
+    @staticmethod
+    def _check_going(client: DaemonClient, handle: SaveHandle) -> None:
+        """Raise what ended a save still being staged: its failure, or the daemon's death."""
+        if handle.done():
+            handle.raise_error()
+        if not client.alive:
+            raise DaemonDiedError(
+                "the checkpoint daemon died during staging", exit_code=client.exit_code
+            )
+
+    async def _stage(
+        self, state: Any, flat: Flat, uuid: str
+    ) -> tuple[Flat, Layout, Slab | None, tuple[tuple[int, int], ...]]:
+        """The snapshot: copy the state into a slab; or, when the shard is larger than the
+        staging memory allows, check it and cut it into windows (copied by :meth:`_stream`).
 
         A flatten that took cached mappings on trust is checked as it is copied; when it no
         longer fits the state, flatten afresh (which refuses what cannot be saved, naming its
@@ -172,13 +233,18 @@ class Saver:
             try:
                 layout = self._layouts.get(flat)
                 self._mirror.hold(uuid, flat, layout.id)
+                size = self._pool.window_size(layout.file_size)
+                if size is not None:
+                    if not sources_match(layout, flat.tensors, flat.cuda):
+                        raise StaleFlat
+                    return flat, layout, None, self._windows(layout, size)
                 slab = await self._pool.acquire(layout.file_size, layout.id)
                 try:
                     await anyio.to_thread.run_sync(slab.copy_in, layout, flat.tensors, flat.cuda)
                 except BaseException:
                     self._pool.release(slab.name)
                     raise
-                return flat, layout, slab
+                return flat, layout, slab, ()
             except StaleFlat:
                 if flat.trusted:
                     raise StateChangedError(
@@ -187,3 +253,20 @@ class Saver:
                     ) from None
                 flat = self._flattener.flatten(state, trust=False)
                 self._mirror.hold(uuid, flat)
+
+    def _windows(self, layout: Layout, size: int) -> tuple[tuple[int, int], ...]:
+        """The windows of ``layout``'s shard for windows of ``size`` bytes; a clear error
+        when the staging memory is too small for it."""
+        base = layout.data_start
+        spans = [(base + s.start, base + s.end) for s in layout.specs]
+        try:
+            return cut_windows(spans, base, layout.file_size, size)
+        except ValueError:
+            need = least_capacity(spans, base, layout.file_size)
+            raise StagingMemoryError(
+                f"staging_memory={self._pool.capacity!r} is too small for this state: its "
+                f"shard of {layout.file_size} bytes is staged in two windows of {size} bytes "
+                f"per save in flight, and its largest piece that cannot be split (a 16 MiB "
+                f"block, or the header) is {need} bytes; give at least "
+                f"{2 * need * self._pool.max_pending} bytes"
+            ) from None

@@ -14,13 +14,14 @@ import operator
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import anyio
 import torch
 
 from .._core import format as fmt
+from .._core import windows as wn
 from .._core.protocol import DTensorEntry, LayoutMsg
 from .._core.shm import POPULATES, Segment
 from .state import ST_TO_TORCH, TORCH_TO_ST, Flat, StaleFlat
@@ -237,6 +238,79 @@ class Slab:
         self.seg.unlink()
 
 
+class WindowCopy(NamedTuple):
+    """What staging one window of a shard copies (offsets relative to the window)."""
+
+    lo: int
+    hi: int
+    #: The header's bytes when the window starts the file, else empty.
+    header: bytes
+    #: Padding to zero: (start, end).
+    zeros: tuple[tuple[int, int], ...]
+    #: Tensors that lie whole in the window: flatten index, start, end, dtype, shape.
+    whole: tuple[tuple[int, int, int, torch.dtype, tuple[int, ...]], ...]
+    #: Pieces of tensors cut by the window: flatten index, start, end, dtype, first element.
+    pieces: tuple[tuple[int, int, int, torch.dtype, int], ...]
+
+
+def window_copies(layout: Layout, windows: tuple[tuple[int, int], ...]) -> list[WindowCopy]:
+    """How each window of ``layout``'s shard is staged."""
+    base = layout.data_start
+    spans = [(base + s.start, base + s.end) for s in layout.specs]
+    index = {j: i for i, j in enumerate(layout.order)}
+    out = []
+    for lo, hi in windows:
+        zeros, whole, pieces = [], [], []
+        for j, a, b in wn.parts(spans, lo, hi):
+            spec = layout.specs[j]
+            if spec.name == fmt.PAD_NAME:
+                zeros.append((a - lo, b - lo))
+                continue
+            dtype = ST_TO_TORCH[spec.dtype]
+            if (a, b) == spans[j]:
+                whole.append((index[j], a - lo, b - lo, dtype, spec.shape))
+            else:
+                first = (a - spans[j][0]) // dtype.itemsize
+                pieces.append((index[j], a - lo, b - lo, dtype, first))
+        header = layout.header if lo == 0 else b""
+        out.append(WindowCopy(lo, hi, header, tuple(zeros), tuple(whole), tuple(pieces)))
+    return out
+
+
+def copy_window(
+    slab: Slab, job: WindowCopy, tensors: list[torch.Tensor], flats: dict[int, torch.Tensor]
+) -> None:
+    """Stage one window into ``slab`` (runs in a worker thread): the sources were checked
+    against the layout before the first window. ``flats``: the 1-D form of each tensor cut
+    by a window, made once per save (a copy only for a non-contiguous tensor)."""
+    u8 = slab.u8
+    with torch.no_grad():
+        if job.header:
+            u8[: len(job.header)].copy_(torch.frombuffer(bytearray(job.header), dtype=torch.uint8))
+        for a, b in job.zeros:
+            u8[a:b].zero_()
+        if job.whole:
+            dsts = [u8[a:b].view(dtype).view(shape) for _, a, b, dtype, shape in job.whole]
+            srcs = [tensors[i] for i, *_ in job.whole]
+            if any(t.is_cuda for t in srcs):
+                for d, t in zip(dsts, srcs, strict=True):
+                    d.copy_(t)
+            else:
+                copy_pairs(dsts, srcs)
+        for i, a, b, dtype, first in job.pieces:
+            flat = flats.get(i)
+            if flat is None:
+                flat = flats[i] = tensors[i].reshape(-1)
+            dst = u8[a:b].view(dtype)
+            dst.copy_(flat[first : first + dst.numel()])
+
+
+def sources_match(layout: Layout, tensors: list[torch.Tensor], cuda: bool) -> bool:
+    """Whether ``tensors`` still have ``layout``'s dtypes and shapes (dense; on the CPU
+    unless ``cuda``): checked before a save staged in windows copies its first."""
+    return _matches(tensors, layout.shapes, layout.dtypes, cpu_only=not cuda)
+
+
 def _runs(layout: Layout, data: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
     """(first, end, destination) for each run of two or more tensors, consecutive in flatten
     order, of one dtype and one shape but for the first dimension, and back to back in the
@@ -402,15 +476,43 @@ def copy_pairs(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
 
 
 class SlabPool:
-    """At most ``max_pending`` slabs; ``acquire`` waits while all are busy (backpressure)."""
+    """At most ``max_pending`` saves' slabs; ``acquire`` waits while all are busy
+    (backpressure). With a ``capacity`` (bytes, or a fraction of the shard's size) the slabs
+    never hold more than that in all: a save whose shard does not fit in its share is staged
+    in windows (:meth:`acquire_windows`)."""
 
-    def __init__(self, max_pending: int) -> None:
+    def __init__(self, max_pending: int, capacity: int | float | None = None) -> None:
         self.max_pending = max_pending
+        self.capacity = capacity
         self._sem = anyio.Semaphore(max_pending)
         self._free: list[Slab] = []
         self._busy: dict[str, Slab] = {}
         #: Names of slabs destroyed since the daemon was last told.
         self.forgotten: list[str] = []
+        #: Bytes of every slab held, free or busy, and the most they ever were.
+        self.held = 0
+        self.peak = 0
+        self._limit: int | None = None  # the capacity in bytes, for the last shard size asked
+        self._groups: dict[str, _Group] = {}  # window slab name -> its save's windows
+        self._returned = anyio.Event()  # set (and replaced) whenever a slab comes back
+
+    def share(self, file_size: int) -> int | None:
+        """The bytes one save of a shard of ``file_size`` may stage (None: no cap)."""
+        if self.capacity is None:
+            return None
+        if isinstance(self.capacity, float):
+            self._limit = math.ceil(self.capacity * file_size)
+        else:
+            self._limit = self.capacity
+        return self._limit // self.max_pending
+
+    def window_size(self, file_size: int) -> int | None:
+        """The size of each of the two windows a save of ``file_size`` bytes is staged in,
+        or None when it is staged whole."""
+        share = self.share(file_size)
+        if share is None or fmt.align_up(max(file_size, 1)) <= share:
+            return None
+        return share // 2 // fmt.ALIGN * fmt.ALIGN
 
     async def acquire(self, size: int, layout_id: int) -> Slab:
         """A free slab of at least ``size`` bytes, preferring one last filled with this
@@ -419,20 +521,88 @@ class SlabPool:
         try:
             slab = self._pick(size, layout_id)
             if slab is None:
-                slab = await anyio.to_thread.run_sync(Slab, fmt.align_up(max(size, 1)))
+                slab = await self._make(fmt.align_up(max(size, 1)))
         except BaseException:
             self._sem.release()
             raise
         self._busy[slab.name] = slab
         return slab
 
+    async def acquire_windows(self, size: int) -> tuple[Slab, Slab]:
+        """Two slabs of ``size`` bytes for one save staged in windows; waits while
+        ``max_pending`` saves are busy. Each goes back to the trainer with :meth:`release`
+        (the daemon is done with its window) and out again with :meth:`lend`; the save's
+        place is free once :meth:`close_windows` was called and both are back."""
+        await self._sem.acquire()
+        slabs: list[Slab] = []
+        try:
+            for _ in range(2):
+                slab = self._pick(size, 0)
+                if slab is None:
+                    slab = await self._make(size)
+                self._busy[slab.name] = slab
+                slabs.append(slab)
+        except BaseException:
+            for slab in slabs:
+                self._busy.pop(slab.name, None)
+                self._free.append(slab)
+            self._sem.release()
+            raise
+        group = _Group()
+        for slab in slabs:
+            self._groups[slab.name] = group
+        return slabs[0], slabs[1]
+
+    def lend(self, slab: Slab) -> None:
+        """Window slab ``slab``, back from the daemon, goes out again."""
+        self._groups[slab.name].home.remove(slab)
+        self._busy[slab.name] = slab
+
+    def close_windows(self, slabs: tuple[Slab, Slab], unsent: list[Slab]) -> None:
+        """The save staged in ``slabs`` sends no more windows: ``unsent`` (lent, never sent
+        to the daemon) are back now, the others once the daemon hands them back."""
+        group = self._groups[slabs[0].name]
+        group.closed = True
+        for slab in unsent:
+            if self._busy.pop(slab.name, None) is not None:
+                group.home.append(slab)
+        self._settle(group)
+
+    def _settle(self, group: _Group) -> None:
+        """A closed save whose windows are all back: they join the free slabs."""
+        if group.closed and len(group.home) == 2:
+            for slab in group.home:
+                del self._groups[slab.name]
+                self._free.append(slab)
+            self._sem.release()
+
+    async def returned(self, slab: Slab) -> None:
+        """Wait until ``slab`` is back from the daemon."""
+        while slab.name in self._busy:
+            await self._returned.wait()
+
+    async def _make(self, size: int) -> Slab:
+        """A new slab, after destroying free ones as the capacity requires."""
+        limit = self._limit if self.capacity is not None else None
+        while limit is not None and self.held + size > limit and self._free:
+            self._destroy(self._free.pop(0))
+        if limit is not None and self.held + size > limit:
+            raise RuntimeError(f"staging would hold {self.held + size} bytes, over {limit}")
+        slab = await anyio.to_thread.run_sync(Slab, size)
+        self.held += slab.size
+        self.peak = max(self.peak, self.held)
+        return slab
+
+    def _destroy(self, slab: Slab) -> None:
+        self.forgotten.append(slab.name)
+        self.held -= slab.size
+        slab.close()
+
     def _pick(self, size: int, layout_id: int) -> Slab | None:
         fits = [s for s in self._free if s.size >= size]
         if not fits:
             if self._free:  # all too small: replace one rather than grow the pool
-                old = self._free.pop()
-                self.forgotten.append(old.name)
-                old.close()
+                self._destroy(self._free.pop())
             return None
         same = [s for s in fits if s.layout_id == layout_id]
         slab = (same or sorted(fits, key=lambda s: s.size))[0]
@@ -448,9 +618,17 @@ class SlabPool:
     def release(self, name: str) -> None:
         """Slab ``name`` may be filled again (unknown or already free: nothing happens)."""
         slab = self._busy.pop(name, None)
-        if slab is not None:
+        if slab is None:
+            return
+        self._returned.set()
+        self._returned = anyio.Event()
+        group = self._groups.get(name)
+        if group is None:
             self._free.append(slab)
             self._sem.release()
+        else:
+            group.home.append(slab)
+            self._settle(group)
 
     def take_forgotten(self) -> tuple[str, ...]:
         """Names of the slabs destroyed since the last call: the daemon may unmap them."""
@@ -465,11 +643,23 @@ class SlabPool:
     def close(self) -> None:
         """Destroy every slab."""
         self.release_all()
-        for slab in self._free:
-            slab.close()
+        homes = {id(g): g.home for g in self._groups.values()}
+        for slab in [*self._free, *itertools.chain(*homes.values())]:
+            self._destroy(slab)
         self._free = []
+        self._groups = {}
+        self.forgotten = []
 
     @property
     def busy(self) -> int:
         """How many slabs are lent out."""
         return len(self._busy)
+
+
+@dataclass(slots=True)
+class _Group:
+    """The two window slabs of one save: those back with the trainer (not free for other
+    saves until this one is over), and whether it sends more."""
+
+    home: list[Slab] = field(default_factory=list)
+    closed: bool = False

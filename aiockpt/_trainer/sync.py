@@ -75,6 +75,7 @@ class CheckpointManager:
         *,
         storage_options: Mapping[str, Any] | None = None,
         max_pending: int = 1,
+        staging_memory: int | float | None = None,
         retention: RetentionPolicy | None = None,
         event_handlers: Iterable[EventHandler] = (),
         process_group: Any = None,
@@ -89,6 +90,7 @@ class CheckpointManager:
         self._options: dict[str, Any] = {
             "storage_options": storage_options,
             "max_pending": max_pending,
+            "staging_memory": staging_memory,
             "retention": retention,
             "event_handlers": list(event_handlers),
             "process_group": process_group,

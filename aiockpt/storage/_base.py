@@ -32,6 +32,15 @@ class Storage(Protocol):
     #         (then return False, changing nothing); two callers never both get True."""
     #
     # It makes the root's lease and its commits safe against two writers (docs/reliability.md).
+    #
+    # Optional, where write_file can take its pieces from an iterator:
+    #
+    #     writes_in_order = True
+    #
+    # meaning write_file asks for the pieces in order, each once, and has written or copied a
+    # piece, keeping no view of it, before it asks for the next. A save staged in windows
+    # (``staging_memory`` below the shard's size: docs/design.md) needs it: its pieces are
+    # made as the trainer stages them, and each window's memory is reused once passed on.
 
     def read_range(self, path: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of a file."""

@@ -16,6 +16,10 @@ from ..errors import StorageError
 class FsspecStorage:
     """A root on any fsspec filesystem. Durability is what the filesystem's close() gives."""
 
+    #: write_file hands each piece to the file's write(), which writes or copies it, before
+    #: it asks for the next.
+    writes_in_order = True
+
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = url
         try:

@@ -43,6 +43,9 @@ def _fsync_dir(path: str) -> None:
 class LocalStorage:
     """A checkpoint root on a local (or locally mounted) filesystem."""
 
+    #: write_file writes each piece before it asks for the next, and keeps no view of it.
+    writes_in_order = True
+
     def __init__(self, root: str, *, url: str | None = None, direct_io: bool = True) -> None:
         self.root = os.path.abspath(root)
         self.url = url or self.root

@@ -43,6 +43,8 @@ class StorageContract:
     large_size: int = 9 * 1024 * 1024 + 123
     #: Whether the storage offers ``put_if_absent`` (an atomic conditional create).
     conditional_create: bool = True
+    #: Whether the storage declares ``writes_in_order`` (see storage/_base.py).
+    writes_in_order: bool = False
 
     @pytest.fixture
     def storage_factory(self) -> Callable[[], Storage]:
@@ -72,6 +74,29 @@ class StorageContract:
         return s
 
     # ----------------------------------------------------------------- writes
+
+    def test_writes_in_order(self, storage: Storage) -> None:
+        """A storage declaring ``writes_in_order`` takes pieces from an iterator, one at a
+        time, and holds no view of one once it asks for the next."""
+        declared = bool(getattr(storage, "writes_in_order", False))
+        assert declared == self.writes_in_order
+        if not declared:
+            return
+        piece = bytearray(self.large_size // 3 + 1)
+        want = bytearray()
+        asked: list[int] = []
+
+        def pieces() -> Iterator[memoryview]:
+            for i in range(3):
+                piece[:] = _data(len(piece), seed=i)  # what went before is overwritten
+                want.extend(piece)
+                asked.append(i)
+                yield memoryview(piece)
+
+        storage.makedirs("step_1")
+        storage.write_file("step_1/shard.bin", pieces())  # type: ignore[arg-type]
+        assert asked == [0, 1, 2]
+        assert storage.read_range("step_1/shard.bin", 0, len(want)) == bytes(want)
 
     def test_round_trip(self, storage: Storage) -> None:
         data = _data(10_000)
