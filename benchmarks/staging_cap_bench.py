@@ -128,8 +128,10 @@ def main() -> None:
     print(f"state {args.mib} MiB in {TENSORS} tensors, {args.repeat} saves each, medians")
     print(f"memcpy {copy:.3f} s, write+fsync {write:.3f} s")
     print()
-    print("| staging_memory | stall (s) | stall ÷ memcpy | durable (s) | durable ÷ write+fsync "
-          "| staging held ÷ state | trainer peak RSS − before ÷ state |")
+    print(
+        "| staging_memory | stall (s) | stall ÷ memcpy | durable (s) | durable ÷ write+fsync "
+        "| staging held ÷ state | trainer peak RSS − before ÷ state |"
+    )
     print("|---|---|---|---|---|---|---|")
     for cap, r in rows:
         name = "none" if cap is None else f"{cap:.0%}"
