@@ -102,6 +102,9 @@ class Event:
     #: On ``save.written``: the bytes this rank wrote, less than ``nbytes`` when blocks that a
     #: kept checkpoint already holds were referred to instead (deduplication).
     written_nbytes: int | None = None
+    #: On ``save.staged``: the bytes copied into staging, less than ``nbytes`` when
+    #: ``skip_unchanged`` found tensors the staging slab still held.
+    copied_nbytes: int | None = None
     #: On ``save.committed``: the storage operations this rank's daemon made for the save up
     #: to its commit, by kind (``write_file``, ``exists``, ``list_dir``, ...).
     requests: dict[str, int] | None = None
@@ -247,6 +250,7 @@ class EventDispatcher:
         detail: str | None = None,
         written_nbytes: int | None = None,
         requests: dict[str, int] | None = None,
+        copied_nbytes: int | None = None,
     ) -> Event:
         if name not in EVENT_NAMES:
             raise ValueError(f"unknown event name {name!r}")
@@ -274,6 +278,7 @@ class EventDispatcher:
             nbytes=nbytes,
             read_nbytes=read_nbytes,
             written_nbytes=written_nbytes,
+            copied_nbytes=copied_nbytes,
             requests=requests,
             where=where,
             error=error,
@@ -342,6 +347,7 @@ def _log(event: Event) -> None:
         "nbytes",
         "read_nbytes",
         "written_nbytes",
+        "copied_nbytes",
         "generation",
     ):
         value = getattr(event, key)

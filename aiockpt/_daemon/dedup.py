@@ -116,24 +116,31 @@ class Plan(Pieces):
         *,
         reads: Counter[str] | None = None,
         pace: float = 1.0,
+        known: dict[int, tuple[str, int]] | None = None,
     ) -> None:
         """The plan of ``data``: a header of ``data_start`` bytes, then ``blocks`` (offsets in
         ``data``, tiling the rest; see blocks.cut_blocks). A shard staged in windows makes
         one plan per window (the header in the first): ``reads`` then counts, across them,
         the bytes referred to in each base file, and ``pace`` is the part of the shard seen
-        by the end of this window (see :meth:`_decide`)."""
+        by the end of this window (see :meth:`_decide`). ``known``: the hash and crc32c of
+        blocks whose bytes are those of a block of the same save slot written before (see
+        writer.Remembered): they are not read at all, and referred to when the base holds
+        them."""
         self.data = data[:]  # a view of its own, released when the plan is done
         self.base = base
         self.blocks = blocks
         self.data_start = data_start
         self._reads = Counter() if reads is None else reads
         self._pace = pace
+        self.known = known or {}
         self.samples = [sample(data[lo:hi]) for lo, hi in self.blocks]
         lengths = base.lengths()
-        known = base.samples
+        seen = base.samples
         self.candidate = [
-            (hi - lo) in lengths and (known is None or (hi - lo, s) in known)
-            for (lo, hi), s in zip(self.blocks, self.samples, strict=True)
+            (hi - lo, self.known[i][0]) in base.where
+            if i in self.known
+            else (hi - lo) in lengths and (seen is None or (hi - lo, s) in seen)
+            for i, ((lo, hi), s) in enumerate(zip(self.blocks, self.samples, strict=True))
         ]
         # The candidates' hashes first: the writes of the others wait for nothing. Their
         # crcs too where the base knows none (the base's crc serves a block it holds).
@@ -142,7 +149,7 @@ class Plan(Pieces):
         self._both: dict[int, Future[tuple[str, int]]] = {}
         self._late: dict[int, Future[int]] = {}  # crcs computed after the write
         for i, c in enumerate(self.candidate):
-            if c:
+            if c and i not in self.known:
                 view = data[self.blocks[i][0] : self.blocks[i][1]]
                 if base.crcs:
                     self._hashes[i] = pool.submit(digest, view)
@@ -166,12 +173,18 @@ class Plan(Pieces):
         """Start hashing the blocks new for sure, with their crcs (their hashes go in the
         manifest only)."""
         for i, (lo, hi) in enumerate(self.blocks):
-            if i not in self._hashes and i not in self._both:
+            if i not in self._hashes and i not in self._both and i not in self.known:
                 self._both[i] = self._pool.submit(digest_and_crc, self.data[lo:hi])
 
     def _hash(self, i: int) -> str:
+        if i in self.known:
+            return self.known[i][0]
         both = self._both.get(i)
         return both.result()[0] if both is not None else self._hashes[i].result()
+
+    def hashes(self) -> list[str]:
+        """Every block's hash, once the plan is written."""
+        return [self._hash(i) for i in range(len(self.blocks))]
 
     def tiles(self, spans: list[tuple[int, int]]) -> list[range | None]:
         """For each (start, end) byte span of the shard: the blocks that tile it exactly,
@@ -197,6 +210,9 @@ class Plan(Pieces):
             both = self._both.get(i)
             if both is not None:
                 known[i] = both.result()[1]
+                continue
+            if i in self.known:
+                known[i] = self.known[i][1]
                 continue
             crc = self.base.crcs.get((hi - lo, self._hashes[i].result()))
             if crc is None:

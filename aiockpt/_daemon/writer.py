@@ -30,6 +30,7 @@ from ..retention import CheckpointRecord
 from ..storage import CountingStorage
 from .coord import Coordinator, Fence, Part, merge, no_fence, publish_manifest
 from .dedup import Base, Plan, shard_fields
+from .memory import SlabMemory
 from .pipe import Outbox, remote_error
 from .prune import Pruner
 from .shared import Slabs, Windows
@@ -41,6 +42,10 @@ class Layout:
 
     def __init__(self, msg: LayoutMsg) -> None:
         self.msg = msg
+        #: For each entry of ``msg.specs`` that is a tensor, its index in ``specs``.
+        self.tensor_index = {
+            j: k for k, j in enumerate(j for j, s in enumerate(msg.specs) if s[0] != fmt.PAD_NAME)
+        }
         # The padding before the first DTensor chunk is in the file, not in the manifest.
         self.specs = [fmt.TensorSpec(*s) for s in msg.specs if s[0] != fmt.PAD_NAME]
         self._json_parts: list[str] | None = None
@@ -59,6 +64,15 @@ class Layout:
         return self._json_parts
 
 
+def tensor_checksums(data: memoryview, layout: Layout, known: dict[int, int]) -> list[int]:
+    """The crc32c of each tensor of ``layout.specs``: ``known``'s, or read from ``data``."""
+    base = layout.msg.data_start
+    return [
+        known[k] if k in known else crc32c.crc32c(data[base + s.start : base + s.end])
+        for k, s in enumerate(layout.specs)
+    ]
+
+
 def checksums(
     data: memoryview,
     layout: Layout,
@@ -70,7 +84,7 @@ def checksums(
     the commit only splices text. ``tensor_crcs`` and ``dtensors``: those already known."""
     base = layout.msg.data_start
     if tensor_crcs is None:
-        tensor_crcs = [crc32c.crc32c(data[base + s.start : base + s.end]) for s in layout.specs]
+        tensor_crcs = tensor_checksums(data, layout, {})
     shard_crc = shard_checksum(data, layout, tensor_crcs)
     if dtensors is None:
         dtensors = dtensor_entries(data, layout)
@@ -167,6 +181,8 @@ class Writer:
         #: SaveReq.fragments): sent once, named by later saves until they are forgotten.
         self.layouts: dict[int, Layout] = {}
         self.fragments: dict[int, str] = {}
+        #: The sums of the last save written from each slab (skip_unchanged).
+        self.memory = SlabMemory()
 
     def save(self, req: SaveReq) -> None:
         """Write, commit and prune; the trainer hears :class:`SlabFree` as soon as the slab's
@@ -193,9 +209,7 @@ class Writer:
                 (tensors, shard_crc, dtensors), table, base = self._write_windows(req, layout)
             else:
                 seg = self.slabs.get(req.slab, req.slab_size)
-                (tensors, shard_crc, dtensors), table, base = self._write_shard(
-                    req.step, seg, layout
-                )
+                (tensors, shard_crc, dtensors), table, base = self._write_shard(req, seg, layout)
                 self.outbox.send(SlabFree(req.slab))
             slab_free = True
             written = time.monotonic()
@@ -248,51 +262,66 @@ class Writer:
         for i in req.forget_layouts:
             self.layouts.pop(i, None)
         self.slabs.forget(req.forget)
+        self.memory.forget(req.forget)
         return tree, layout
 
     def _write_shard(
-        self, step: int, seg: Segment, layout: Layout
+        self, req: SaveReq, seg: Segment, layout: Layout
     ) -> tuple[tuple[str, int, str], dict[str, object], Base | None]:
         """Write the slab's bytes as the shard, checksumming them meanwhile; with
         deduplication, only the blocks the base does not hold (see dedup.py). Returns the
         checksums, the shard's block-table fields (none without deduplication, or without
         a byte of data) and the base the next save will use (None: unchanged)."""
-        path = f"{fmt.step_dirname(step)}/{self.shard}"
+        path = f"{fmt.step_dirname(req.step)}/{self.shard}"
+        known_tensors, known_blocks = self.memory.recall(req, layout.msg, layout.tensor_index)
         with seg.buf[: layout.msg.file_size] as data:
             if not self.dedup:
-                crcs = self.pool.submit(checksums, data, layout)
+                crcs = self.pool.submit(tensor_checksums, data, layout, known_tensors)
                 try:
                     self.storage.write_file(path, [data])
                 finally:
-                    result = crcs.result()  # never leave the view to a running thread
-                return result, {}, None
+                    crcs.exception()  # never leave the view to a running thread
+                tensor_crcs = crcs.result()
+                self.memory.keep(req, tensor_crcs, [])
+                return checksums(data, layout, tensor_crcs), {}, None
             start = layout.msg.data_start
             spans = sorted((start + s[3], start + s[4]) for s in layout.msg.specs)
             blocks = bl.cut_blocks(spans, start, len(data))
-            plan = Plan(data, blocks, start, self._base(step), self.pool)
+            known = {i: known_blocks[b] for i, b in enumerate(blocks) if b in known_blocks}
+            plan = Plan(data, blocks, start, self._base(req.step), self.pool, known=known)
             # A tensor cut into whole blocks gets its crc from theirs; the others (small
-            # tensors sharing blocks) are read for theirs meanwhile.
+            # tensors sharing blocks) are read for theirs meanwhile, unless known.
             where = [(start + s.start, start + s.end) for s in layout.specs]
             tiles = plan.tiles(where)
-            loose = [w for w, t in zip(where, tiles, strict=True) if t is None]
+            loose = [
+                w
+                for k, (w, t) in enumerate(zip(where, tiles, strict=True))
+                if t is None and k not in known_tensors
+            ]
             direct = self.pool.submit(_crcs_of, data, loose)
             dtensors = self.pool.submit(dtensor_entries, data, layout)
             plan.hash_rest()
             try:
                 self.storage.write_file(path, plan)
                 block_crcs = plan.block_crcs()
-                table, stored, base = plan.table(path, step, block_crcs)
+                table, stored, base = plan.table(path, req.step, block_crcs)
                 loose_crcs = iter(direct.result())
                 tensor_crcs = [
-                    next(loose_crcs) if t is None else _fold(plan.blocks, block_crcs, t)
-                    for t in tiles
+                    known_tensors[k]
+                    if k in known_tensors
+                    else next(loose_crcs)
+                    if t is None
+                    else _fold(plan.blocks, block_crcs, t)
+                    for k, t in enumerate(tiles)
                 ]
                 result = checksums(data, layout, tensor_crcs, dtensors.result())
+                sums = list(zip(plan.hashes(), block_crcs, strict=True))
             finally:
                 direct.exception()  # never leave the view to a running thread
                 dtensors.exception()
                 plan.wait()
                 plan.release()
+        self.memory.keep(req, tensor_crcs, sums)
         return result, shard_fields(table, stored), base
 
     def _write_windows(

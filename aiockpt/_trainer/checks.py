@@ -54,6 +54,13 @@ def staging_memory(value: Any) -> int | float | None:
     return value
 
 
+def flag(name: str, value: Any) -> bool:
+    """``value`` if it is True or False."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, not {value!r}")
+    return value
+
+
 def positive_float(name: str, value: Any) -> float:
     """``value`` as a float, if it is positive."""
     if not value > 0:

@@ -81,6 +81,7 @@ class AsyncCheckpointManager:
         takeover: bool = False,
         lease_ttl: float = DEFAULT_LEASE_TTL,
         dedup: bool = True,
+        skip_unchanged: bool = False,
     ) -> None:
         self.url = checks.root_url(root)
         self.storage_options = dict(storage_options or {})
@@ -91,9 +92,7 @@ class AsyncCheckpointManager:
         self.close_timeout = close_timeout
         self.on_sigterm = checks.sigterm_mode(on_sigterm)
         self.read_only = bool(read_only)
-        if not isinstance(dedup, bool):
-            raise TypeError(f"dedup must be True or False, not {dedup!r}")
-        self.dedup = dedup
+        self.dedup = checks.flag("dedup", dedup)
         self.takeover = bool(takeover)
         self.lease_ttl = checks.positive_float("lease_ttl", lease_ttl)
         if self.lease_ttl > MAX_TTL:
@@ -135,6 +134,7 @@ class AsyncCheckpointManager:
             flattener=flattener,
             layouts=layouts,
             pool=self._pool,
+            skip_unchanged=checks.flag("skip_unchanged", skip_unchanged),
         )
         self._loader = Loader(
             self._read, self._emit, flattener=flattener, layouts=layouts, pool=self._pool

@@ -36,8 +36,10 @@ class Saver:
         flattener: Flattener,
         layouts: LayoutCache,
         pool: SlabPool,
+        skip_unchanged: bool = False,
     ) -> None:
         self._daemons = daemons
+        self._skip_unchanged = skip_unchanged
         self._flattener = flattener
         self._layouts = layouts
         self._pool = pool
@@ -78,7 +80,7 @@ class Saver:
         try:
             if refused is not None:
                 raise refused
-            nbytes = await self._submit(group, handle, state, flat, *clean)
+            nbytes, copied = await self._submit(group, handle, state, flat, *clean)
         except BaseException as e:
             if isinstance(e, (OSError, EOFError)) and not isinstance(e, CheckpointError):
                 d = self._daemons.current
@@ -92,12 +94,13 @@ class Saver:
             step=step,
             duration_s=time.monotonic() - t0,
             nbytes=nbytes,
+            copied_nbytes=copied,
         )
         return handle
 
     async def _submit(
         self, group: _dist.Group | None, handle: SaveHandle, state: Any, *args: Any
-    ) -> int:
+    ) -> tuple[int, int]:
         d = await self._daemons.live()
         try:
             return await self._send(d, handle, state, *args)
@@ -117,8 +120,9 @@ class Saver:
         flat: Flat,
         metrics: dict[str, Any],
         metadata: dict[str, Any],
-    ) -> int:
-        """Stage ``state`` (flattened as ``flat``) and send it; returns the shard's size.
+    ) -> tuple[int, int]:
+        """Stage ``state`` (flattened as ``flat``) and send it; returns the shard's size and
+        the bytes copied.
 
         Once this returns the state may change and the handle is pending. On an error nothing
         was sent and the step is free again.
@@ -129,7 +133,7 @@ class Saver:
         slab = None
         sent = False
         try:
-            flat, layout, slab, windows = await self._stage(state, flat, handle.uuid)
+            flat, layout, slab, windows, unchanged = await self._stage(state, flat, handle.uuid)
             delta = self._mirror.delta(flat, layout)
             req = SaveReq(
                 uuid=handle.uuid,
@@ -147,6 +151,8 @@ class Saver:
                 forget_layouts=delta.forget_layouts,
                 lease_generation=self._daemons.lease_generation,
                 windows=windows,
+                copy_gen=slab.gen if slab is not None else 0,
+                unchanged=unchanged,
             )
             if not client.alive:
                 raise DaemonDiedError(
@@ -166,7 +172,8 @@ class Saver:
             raise
         finally:
             self._mirror.release(handle.uuid)
-        return layout.file_size
+        kept = sum(layout.specs[j].end - layout.specs[j].start for j in unchanged)
+        return layout.file_size, layout.file_size - kept
 
     async def _stream(
         self,
@@ -221,7 +228,7 @@ class Saver:
 
     async def _stage(
         self, state: Any, flat: Flat, uuid: str
-    ) -> tuple[Flat, Layout, Slab | None, tuple[tuple[int, int], ...]]:
+    ) -> tuple[Flat, Layout, Slab | None, tuple[tuple[int, int], ...], tuple[int, ...]]:
         """The snapshot: copy the state into a slab; or, when the shard is larger than the
         staging memory allows, check it and cut it into windows (copied by :meth:`_stream`).
 
@@ -237,14 +244,16 @@ class Saver:
                 if size is not None:
                     if not sources_match(layout, flat.tensors, flat.cuda):
                         raise StaleFlat
-                    return flat, layout, None, self._windows(layout, size)
+                    return flat, layout, None, self._windows(layout, size), ()
                 slab = await self._pool.acquire(layout.file_size, layout.id)
                 try:
-                    await anyio.to_thread.run_sync(slab.copy_in, layout, flat.tensors, flat.cuda)
+                    unchanged = await anyio.to_thread.run_sync(
+                        slab.copy_in, layout, flat.tensors, flat.cuda, self._skip_unchanged
+                    )
                 except BaseException:
                     self._pool.release(slab.name)
                     raise
-                return flat, layout, slab, ()
+                return flat, layout, slab, (), unchanged
             except StaleFlat:
                 if flat.trusted:
                     raise StateChangedError(

@@ -154,6 +154,12 @@ class Slab:
         self.views: list[torch.Tensor] = []
         self.plan: tuple[list[Piece], list[Piece]] = ([], [])
         self.pinned = False
+        #: Copies made into the slab so far: the daemon knows a copy by it (SaveReq.copy_gen).
+        self.gen = 0
+        #: With ``skip_unchanged``: what each tensor of the last copy was (see _marks), and
+        #: the storages, held so that their memory cannot be reused by another tensor.
+        self.seen: list[tuple[int, int, int, tuple[int, ...]]] | None = None
+        self.held: list[torch.UntypedStorage] = []
         if not POPULATES:  # else the segment's pages are already mapped in (MAP_POPULATE)
             self.u8.zero_()  # fault every page in now, not during a save's copy
 
@@ -187,15 +193,59 @@ class Slab:
             self.layout_id = layout.id
         return self.views
 
-    def copy_in(self, layout: Layout, tensors: list[torch.Tensor], cuda: bool = False) -> None:
+    def copy_in(
+        self, layout: Layout, tensors: list[torch.Tensor], cuda: bool = False, skip: bool = False
+    ) -> tuple[int, ...]:
         """The snapshot: copy every tensor into the slab (runs in a worker thread).
 
         Each chunk of sources is checked against the layout before it is copied (dtype, shape,
         and a dense CPU tensor, or any device when ``cuda``); a mismatch raises StaleFlat.
         Checking takes the GIL, copying releases it, so one thread checks while the other
         copies.
+
+        With ``skip``, a tensor that is the same tensor as at this slab's last copy (same
+        storage, offset and strides) with the same version counter is not copied again: its
+        bytes are still here. Returns the indices (in file order) of those tensors.
         """
+        seen = self.seen if skip and self.layout_id == layout.id else None
+        self.seen, self.held = None, []  # until this copy is complete
         self.prepare(layout)
+        if not skip:
+            self._copy_all(layout, tensors, cuda)
+            self.gen += 1
+            return ()
+        if not _matches(tensors, layout.shapes, layout.dtypes, cpu_only=not cuda):
+            raise StaleFlat
+        # Taken before the copy: a change made while it runs shows at the next save.
+        held = [t.untyped_storage() for t in tensors]
+        marks = _marks(tensors, held)
+        unchanged: tuple[int, ...] = ()
+        if seen is None:
+            self._copy_all(layout, tensors, cuda)
+        else:
+            unchanged = self._copy_changed(layout, tensors, cuda, marks, seen)
+        self.gen += 1
+        self.held, self.seen = held, marks
+        return unchanged
+
+    def _copy_changed(
+        self, layout: Layout, tensors: list[torch.Tensor], cuda: bool, marks: list, seen: list
+    ) -> tuple[int, ...]:
+        """Copy the tensors whose ``marks`` differ from what ``seen`` says this slab holds;
+        the indices (in file order) of the others."""
+        changed = [i for i, (a, b) in enumerate(zip(marks, seen, strict=True)) if a != b]
+        dsts = [self.views[i] for i in changed]
+        srcs = [tensors[i] for i in changed]
+        with torch.no_grad():
+            if cuda:
+                for d, t in zip(dsts, srcs, strict=True):
+                    d.copy_(t)
+            elif dsts:
+                copy_pairs(dsts, srcs)
+        kept = set(range(len(tensors))).difference(changed)
+        return tuple(sorted(layout.order[i] for i in kept))
+
+    def _copy_all(self, layout: Layout, tensors: list[torch.Tensor], cuda: bool) -> None:
         if cuda:
             with torch.no_grad():
                 self._copy_from_cuda(layout, tensors)
@@ -253,6 +303,17 @@ class WindowCopy(NamedTuple):
     pieces: tuple[tuple[int, int, int, torch.dtype, int], ...]
 
 
+def _marks(
+    tensors: list[torch.Tensor], storages: list[torch.UntypedStorage]
+) -> list[tuple[int, int, int, tuple[int, ...]]]:
+    """What makes a tensor the same as before: its storage (held by the caller, so that no
+    other tensor can take its memory), version counter, first byte and strides."""
+    return [
+        (st._cdata, t._version, t.data_ptr(), t.stride())
+        for t, st in zip(tensors, storages, strict=True)
+    ]
+
+
 def window_copies(layout: Layout, windows: tuple[tuple[int, int], ...]) -> list[WindowCopy]:
     """How each window of ``layout``'s shard is staged."""
     base = layout.data_start
@@ -284,6 +345,7 @@ def copy_window(
     against the layout before the first window. ``flats``: the 1-D form of each tensor cut
     by a window, made once per save (a copy only for a non-contiguous tensor)."""
     u8 = slab.u8
+    slab.layout_id, slab.views, slab.seen, slab.held = 0, [], None, []  # no longer a layout's
     with torch.no_grad():
         if job.header:
             u8[: len(job.header)].copy_(torch.frombuffer(bytearray(job.header), dtype=torch.uint8))
@@ -613,6 +675,7 @@ class SlabPool:
         """A load read its bytes over this slab: its header and cached views are stale."""
         slab.layout_id = 0
         slab.views = []
+        slab.seen, slab.held = None, []
         slab.plan = ([], [])
 
     def release(self, name: str) -> None:

@@ -86,6 +86,7 @@ class CheckpointManager:
         takeover: bool = False,
         lease_ttl: float = DEFAULT_LEASE_TTL,
         dedup: bool = True,
+        skip_unchanged: bool = False,
     ) -> None:
         self._options: dict[str, Any] = {
             "storage_options": storage_options,
@@ -101,6 +102,7 @@ class CheckpointManager:
             "takeover": takeover,
             "lease_ttl": lease_ttl,
             "dedup": dedup,
+            "skip_unchanged": skip_unchanged,
         }
         self._root = root
         # Built here too, so bad arguments fail at once, as with the async manager; the one
