@@ -167,9 +167,10 @@ class SaveReq:
     #: A save staged in windows (see _core/windows.py): the shard file's byte ranges, in
     #: order, each sent as a :class:`WindowReady` once copied; ``slab`` is then unused.
     windows: tuple[tuple[int, int], ...] = ()
-    #: The slab's copy count with this save's copy (see _trainer/staging.py: Slab.gen), and
-    #: the tensors (indices in ``layout.specs``) this copy left as the previous one put them
-    #: (``skip_unchanged``): the daemon may take their checksums from that save.
+    #: With ``skip_unchanged``: the slab's copy count with this save's copy (see
+    #: _trainer/staging.py: Slab.gen; 0 without it), and the tensors (indices in
+    #: ``layout.specs``) this copy left as the previous one put them: the daemon may take
+    #: their checksums from that save.
     copy_gen: int = 0
     unchanged: tuple[int, ...] = ()
 

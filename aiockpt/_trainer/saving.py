@@ -10,6 +10,7 @@ from typing import Any
 
 import anyio
 
+from .._core import format as fmt
 from .._core.protocol import SaveReq, WindowReady
 from .._core.windows import cut_windows, least_capacity
 from ..errors import CheckpointError, DaemonDiedError, StagingMemoryError, StateChangedError
@@ -151,7 +152,8 @@ class Saver:
                 forget_layouts=delta.forget_layouts,
                 lease_generation=self._daemons.lease_generation,
                 windows=windows,
-                copy_gen=slab.gen if slab is not None else 0,
+                # (0: the daemon keeps nothing for a next copy that will not skip)
+                copy_gen=slab.gen if slab is not None and self._skip_unchanged else 0,
                 unchanged=unchanged,
             )
             if not client.alive:
@@ -277,5 +279,5 @@ class Saver:
                 f"shard of {layout.file_size} bytes is staged in two windows of {size} bytes "
                 f"per save in flight, and its largest piece that cannot be split (a 16 MiB "
                 f"block, or the header) is {need} bytes; give at least "
-                f"{2 * need * self._pool.max_pending} bytes"
+                f"{2 * fmt.align_up(need) * self._pool.max_pending} bytes"
             ) from None
