@@ -68,12 +68,15 @@ class LocalStorage:
             fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError as e:
             raise self._error("create", path, e) from None
+        direct: list[int] = []  # the O_DIRECT descriptor, opened at the first aligned piece
         try:
             offset = 0
             for buf in buffers:
                 buf = memoryview(buf).cast("B")
-                self._write_buffer(fd, full, buf, offset)
+                self._write_buffer(fd, full, buf, offset, direct)
                 offset += len(buf)
+            # One fsync for the file, whichever descriptor wrote its bytes: fsync is of the
+            # file (its data and size), not of a descriptor.
             os.fsync(fd)
             # The file's name too: else a crash may keep a manifest linked after this write
             # and lose the shard's directory entry (found by tests/crash, POSIX model).
@@ -83,29 +86,28 @@ class LocalStorage:
                 os.unlink(full)
             raise self._error("write", path, e) from None
         finally:
+            for dfd in direct:
+                os.close(dfd)
             os.close(fd)
 
-    def _write_buffer(self, fd: int, full: str, buf: memoryview, offset: int) -> None:
+    def _write_buffer(
+        self, fd: int, full: str, buf: memoryview, offset: int, direct: list[int]
+    ) -> None:
         # O_DIRECT skips the page-cache copy for the aligned body; the tail goes through fd.
         body = len(buf) // _DIRECT_ALIGN * _DIRECT_ALIGN if self.direct_io else 0
         addr = _address(buf) if body else None
         if addr is None or addr % _DIRECT_ALIGN or offset % _DIRECT_ALIGN:
             body = 0
-        if body:
+        if body and not direct:
             try:
-                dfd = os.open(full, os.O_WRONLY | _O_DIRECT)
+                direct.append(os.open(full, os.O_WRONLY | _O_DIRECT))
             except OSError as e:
                 if e.errno != errno_mod.EINVAL:  # EINVAL: this filesystem has no O_DIRECT
                     raise
                 self.direct_io = False
                 body = 0
-            else:
-                try:
-                    for start in range(0, body, _CHUNK):
-                        _write_all(dfd, buf[start : min(start + _CHUNK, body)], offset + start)
-                    os.fsync(dfd)
-                finally:
-                    os.close(dfd)
+        for start in range(0, body, _CHUNK):
+            _write_all(direct[0], buf[start : min(start + _CHUNK, body)], offset + start)
         _write_all(fd, buf[body:], offset + body)
 
     def put_atomic(self, path: str, data: bytes) -> None:

@@ -314,8 +314,10 @@ class RecordingStorage(LocalStorage):
             return result
 
     def write_file(self, path: str, buffers: Sequence[memoryview]) -> None:
-        data = b"".join(bytes(memoryview(b).cast("B")) for b in buffers)
-        self._api("write_file", path, buffers, data=_b64(data))
+        # Copied first: the pieces may come from an iterator (a save staged in windows).
+        pieces = [bytes(memoryview(b).cast("B")) for b in buffers]
+        data = b"".join(pieces)
+        self._api("write_file", path, [memoryview(p) for p in pieces], data=_b64(data))
 
     def put_atomic(self, path: str, data: bytes) -> None:
         self._api("put_atomic", path, data, data=_b64(bytes(data)))
