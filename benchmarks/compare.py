@@ -11,6 +11,8 @@ never fatal), each after one warm-up save, in one run:
 - ``aiockpt``: ``await mgr.save(...)``, then ``await handle``;
 - ``aiockpt_nodedup``: the same with ``dedup=False`` (every save writes its whole state): in
   a scenario where nothing repeats, the two side by side show what hashing costs;
+- ``aiockpt_skip``: the same with ``skip_unchanged=True`` (tensors left as they were since the
+  last save are neither copied nor read again);
 - ``write_fsync_changed``: in the ``lora`` scenario only, a buffered write + fsync of the
   bytes an optimizer step changes (the floor for an incremental save; see lora_bench.py).
 
@@ -66,6 +68,7 @@ CONTENDERS = (
     "dcp_process",
     "aiockpt",
     "aiockpt_nodedup",
+    "aiockpt_skip",
 )
 LABELS = {
     "memcpy": "memcpy (floor)",
@@ -76,6 +79,7 @@ LABELS = {
     "dcp_process": "DCP async (process)",
     "aiockpt": "aiockpt",
     "aiockpt_nodedup": "aiockpt (dedup off)",
+    "aiockpt_skip": "aiockpt (skip_unchanged)",
 }
 #: Contenders whose save call blocks until it is done: no loop runs during it.
 BLOCKING = {"memcpy", "write_fsync", "torch_save"}
@@ -94,7 +98,8 @@ class Scenario:
     def applies(self, contender: str) -> bool:
         if self.kind == "lora":
             return contender in lora_bench.APPLIES
-        return contender != "write_fsync_changed"  # every byte changes: the plain floor
+        # Every byte changes: the plain floor, and nothing for skip_unchanged to skip.
+        return contender not in ("write_fsync_changed", "aiockpt_skip")
 
     def default(self, contender: str) -> bool:
         return contender in lora_bench.DEFAULT if self.kind == "lora" else self.applies(contender)
@@ -342,7 +347,14 @@ def _dcp(kind: str):
 
 
 def work_aiockpt(
-    sc: Scenario, state: dict, d: str, reps: int, smp: Sampler, cache: str, dedup: bool = True
+    sc: Scenario,
+    state: dict,
+    d: str,
+    reps: int,
+    smp: Sampler,
+    cache: str,
+    dedup: bool = True,
+    skip_unchanged: bool = False,
 ) -> dict:
     import anyio
     import torch
@@ -354,7 +366,7 @@ def work_aiockpt(
 
     async def main() -> None:
         root = os.path.join(d, "aiockpt")
-        async with AsyncCheckpointManager(root, dedup=dedup) as mgr:
+        async with AsyncCheckpointManager(root, dedup=dedup, skip_unchanged=skip_unchanged) as mgr:
             await (await mgr.save(0, state))  # warm-up: slab allocated, layout cached
             for step in range(1, reps + 1):
                 # The trainer moves on before every save, the first measured one included:
@@ -422,6 +434,7 @@ WORKERS: dict[str, Callable[..., dict]] = {
     "dcp_process": _dcp("process"),
     "aiockpt": work_aiockpt,
     "aiockpt_nodedup": lambda *a: work_aiockpt(*a, dedup=False),
+    "aiockpt_skip": lambda *a: work_aiockpt(*a, skip_unchanged=True),
 }
 
 
@@ -478,6 +491,7 @@ MEM_FACTOR = {
     "torch_save": 1.5,
     "aiockpt": 2.5,
     "aiockpt_nodedup": 2.5,
+    "aiockpt_skip": 2.5,
 }
 MEM_FACTOR_DEFAULT = 3.5
 

@@ -49,6 +49,7 @@ APPLIES = (
     "dcp_process",
     "aiockpt",
     "aiockpt_nodedup",
+    "aiockpt_skip",
 )
 DEFAULT = tuple(c for c in APPLIES if c != "dcp_thread")
 
@@ -266,9 +267,10 @@ class Aiockpt(Saver):
     """``await mgr.save(step, state)``, then ``await handle``; the bytes written are the
     ``written_nbytes`` of the save's ``save.written`` event. No retention: every step kept."""
 
-    def __init__(self, state: dict[str, Any], d: str, dedup: bool) -> None:
+    def __init__(self, state: dict[str, Any], d: str, dedup: bool, skip: bool = False) -> None:
         super().__init__(state, d)
         self.dedup = dedup
+        self.skip = skip
         self.written: dict[int, int] = {}
 
     def on_event(self, event: Any) -> None:
@@ -287,6 +289,7 @@ class Aiockpt(Saver):
         self.mgr = AsyncCheckpointManager(
             os.path.join(self.round_dir, "aiockpt"),
             dedup=self.dedup,
+            skip_unchanged=self.skip,
             event_handlers=[self.on_event],
         )
         await self.mgr.__aenter__()
@@ -340,6 +343,7 @@ def work(name: str, frozen_nbytes: int, d: str, rounds: int, idle_rate: float) -
         "dcp_process": lambda: Dcp(state, d, "process"),
         "aiockpt": lambda: Aiockpt(state, d, dedup=True),
         "aiockpt_nodedup": lambda: Aiockpt(state, d, dedup=False),
+        "aiockpt_skip": lambda: Aiockpt(state, d, dedup=True, skip=True),
     }[name]()
 
     async def one(k: int) -> dict[str, Any]:
@@ -476,7 +480,7 @@ def markdown(sc: dict[str, Any], labels: dict[str, str]) -> list[str]:
             f"| {fmt_f(ratio(durable, floor))} | {fmt_f(r.get('cpu_share'))} "
             f"| {r['peak_rss_mib']:.0f} MiB | {'–' if not helpers else f'{helpers:.0f} MiB'} |"
         )
-    for c in ("aiockpt", "aiockpt_nodedup"):
+    for c in ("aiockpt", "aiockpt_nodedup", "aiockpt_skip"):
         r = ok.get(c, {})
         if r.get("restart_durable") is not None:
             lines += [
@@ -518,6 +522,19 @@ def targets(res: dict[str, dict[str, dict]], add: Callable[..., None]) -> None:
             20.0,
             True,
         )
+        skip = get("lora", "aiockpt_skip", "durable")
+        add(
+            "lora: aiockpt skip_unchanged durable / write+fsync of the changed bytes",
+            ratio(skip, get("lora", "write_fsync_changed", "durable")),
+            1.5,
+        )
+        add(
+            "lora: DCP process durable / aiockpt skip_unchanged durable",
+            ratio(get("lora", "dcp_process", "durable"), skip),
+            20.0,
+            True,
+        )
+
         add(
             "lora: aiockpt stall / aiockpt (dedup off) stall",
             ratio(get("lora", "aiockpt", "stall"), get("lora", "aiockpt_nodedup", "stall")),
