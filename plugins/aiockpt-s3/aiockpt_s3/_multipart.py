@@ -47,14 +47,27 @@ class MultipartUploader:
         self.options = options
         self.pending_aborts: dict[tuple[str, str], None] = {}  # (key, upload id), in order
 
-    async def upload(self, key: str, views: list[memoryview], total: int) -> None:
-        """Write the concatenation of ``views``, ``total`` bytes, to ``key``."""
+    async def create(self, key: str) -> str:
+        """Start a multipart upload of ``key``; its id."""
         create: dict[str, Any] = {"Key": key}
         if self.options.checksum == "crc32c":
             create["ChecksumAlgorithm"] = "CRC32C"
-        upload_id = (await self.client.call("write", key, "create_multipart_upload", **create))[
-            "UploadId"
-        ]
+        reply = await self.client.call("write", key, "create_multipart_upload", **create)
+        return str(reply["UploadId"])
+
+    async def part(self, key: str, upload_id: str, number: int, body: bytes) -> dict[str, Any]:
+        """Send part ``number`` of an upload from ``body``: its entry for the completion."""
+        return await self._part(key, upload_id, number, [memoryview(body)], 0, len(body))
+
+    async def complete(
+        self, key: str, upload_id: str, parts: list[dict[str, Any]], total: int
+    ) -> None:
+        """Complete an upload of ``total`` bytes from its ``parts``, in order."""
+        await self._complete(key, upload_id, parts, total)
+
+    async def upload(self, key: str, views: list[memoryview], total: int) -> None:
+        """Write the concatenation of ``views``, ``total`` bytes, to ``key``."""
+        upload_id = await self.create(key)
         try:
             ranges = plan(total, self.options.part_size)
             done: dict[int, dict[str, Any]] = {}

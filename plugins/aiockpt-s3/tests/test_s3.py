@@ -44,6 +44,7 @@ class TestS3Contract(StorageContract):
     """A root under a prefix of the bucket."""
 
     large_size = 11 * MiB + 123  # three parts of 5 MiB
+    writes_in_order = True
 
     @pytest.fixture
     def storage_factory(self, s3: S3Server, bucket: str):
@@ -54,6 +55,7 @@ class TestS3BucketRoot(StorageContract):
     """A root at the bucket itself: no prefix."""
 
     large_size = 6 * MiB
+    writes_in_order = True
 
     @pytest.fixture
     def storage_factory(self, s3: S3Server, bucket: str):
@@ -284,6 +286,42 @@ def test_retries_are_bounded_and_the_upload_aborted(s3: S3Server, bucket: str) -
         storage.close()
     assert "s3://" + bucket + "/run/step_1/shard.bin" in str(info.value)
     assert "after 3 attempts" in str(info.value)
+    assert _uploads(s3, bucket) == []
+
+
+def test_a_stream_that_fails_part_way_aborts_its_upload(s3: S3Server, bucket: str) -> None:
+    """Pieces from an iterator (a save staged in windows): the upload starts with the first
+    full part; when the pieces stop with an error, the upload is aborted, no object made."""
+    storage = open_storage(f"s3://{bucket}/run", s3.options(**FAST))
+
+    def pieces() -> Iterator[memoryview]:
+        for _ in range(3):
+            yield memoryview(bytes(4 * MiB))
+        raise RuntimeError("the trainer went away")
+
+    try:
+        with pytest.raises(RuntimeError, match="went away"):
+            storage.write_file("step_1/shard.bin", pieces())  # type: ignore[arg-type]
+        assert not storage.exists("step_1/shard.bin")
+    finally:
+        storage.close()
+    assert _uploads(s3, bucket) == []
+
+
+@pytest.mark.anyio
+async def test_a_save_staged_in_windows_on_s3(s3: S3Server, bucket: str) -> None:
+    """staging_memory below the shard's size: the shard goes up as a multipart upload fed
+    window by window, and loads back exactly."""
+    g = torch.Generator().manual_seed(3)
+    state = {f"t{i}": torch.randn(50_000, generator=g) for i in range(120)}  # 23 MiB
+    async with AsyncCheckpointManager(
+        f"s3://{bucket}/run", storage_options=s3.options(**FAST), staging_memory=8 * MiB
+    ) as mgr:
+        await (await mgr.save(1, state))
+        assert mgr._pool.peak <= 8 * MiB
+        loaded = await mgr.load(1)
+    for k, v in state.items():
+        assert torch.equal(loaded[k], v), k
     assert _uploads(s3, bucket) == []
 
 
