@@ -16,8 +16,8 @@ retries), ``_client`` (requests to the bucket), ``_transfer`` (bodies and checks
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
+import itertools
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
@@ -26,6 +26,7 @@ import fsspec.asyn
 from botocore.exceptions import ClientError
 
 from aiockpt.errors import StorageError
+from aiockpt.storage._stream import InFlight, cut_parts
 
 from ._client import BucketClient
 from ._download import download_into
@@ -141,52 +142,35 @@ class S3Storage:
         10,000 parts reach past 5 TiB; an object under ``multipart_threshold`` is one PUT."""
         key = self._key(path)
         self._run("write", path, self._uploads.flush_aborts)
-        size = self.options.part_size
-        buf = bytearray()
-        upload_id: str | None = None
-        sent: list[concurrent.futures.Future[dict[str, Any]]] = []
+        parts = cut_parts(pieces, self.options.part_size, double_every=1000)
+        head: list[bytes] = []  # parts held until the object is known to need an upload
+        for part in parts:
+            head.append(part)
+            if sum(map(len, head)) >= self.options.multipart_threshold:
+                break
+        else:
+            self._run("write", path, self._put, key, b"".join(head))
+            return
+        upload_id = self._run("write", path, self._uploads.create, key)
+        sending = InFlight(self.fs.loop, self.options.concurrency)
         total = 0
-
-        def send(body: bytes) -> None:
-            nonlocal upload_id
-            if upload_id is None:
-                upload_id = self._run("write", path, self._uploads.create, key)
-            while sum(not f.done() for f in sent) >= self.options.concurrency:
-                concurrent.futures.wait(sent, return_when=concurrent.futures.FIRST_COMPLETED)
-            number = len(sent) + 1
-            coro = self._uploads.part(key, upload_id, number, body)
-            sent.append(asyncio.run_coroutine_threadsafe(coro, self.fs.loop))
-
         try:
-            for piece in pieces:
-                with memoryview(piece).cast("B") as view:
-                    total += len(view)
-                    buf += view
-                while len(buf) >= size and total >= self.options.multipart_threshold:
-                    send(bytes(buf[:size]))
-                    del buf[:size]
-                    if len(sent) % 1000 == 0:
-                        size *= 2
-            if upload_id is None:
-                self._run("write", path, self._put, key, bytes(buf))
-                return
-            if buf:
-                send(bytes(buf))
-            parts = [self._result(f, path) for f in sent]
-            self._run("write", path, self._uploads.complete, key, upload_id, parts, total)
+            for number, part in enumerate(itertools.chain(head, parts), start=1):
+                total += len(part)
+                sending.submit(self._uploads.part(key, upload_id, number, part))
+                head = []
+            done = self._result(sending.results, path)
+            self._run("write", path, self._uploads.complete, key, upload_id, done, total)
         except BaseException:
-            for f in sent:
-                f.cancel()
-            concurrent.futures.wait(sent)
-            if upload_id is not None:
-                with contextlib.suppress(Exception):
-                    self._run("abort upload of", path, self._uploads.abort, key, upload_id)
+            sending.cancel()
+            with contextlib.suppress(Exception):
+                self._run("abort upload of", path, self._uploads.abort, key, upload_id)
             raise
 
-    def _result(self, future: concurrent.futures.Future[T], path: str) -> T:
-        """A coroutine's result from the loop; a failure becomes a StorageError, as in _run."""
+    def _result(self, results: Callable[[], T], path: str) -> T:
+        """What ``results`` gives; a failure becomes a StorageError, as in _run."""
         try:
-            return future.result()
+            return results()
         except GaveUp as e:
             err = self._error(e.op, e.key, e.cause, e.attempts)
             clear_frames(e)
