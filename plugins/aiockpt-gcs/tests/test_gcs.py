@@ -184,6 +184,22 @@ async def test_manager_save_load_retention_on_gcs(gcs: GCSServer, bucket: str) -
 
 
 @pytest.mark.anyio
+async def test_a_save_staged_in_windows_is_refused_clearly(gcs: GCSServer, bucket: str) -> None:
+    """This storage uploads an object in one request, from every piece at once: a save whose
+    shard is larger than its staging share fails at once, naming the setting, and nothing
+    is committed; a save that fits works on the same manager."""
+    state = {f"t{i}": torch.full((50_000,), float(i)) for i in range(120)}  # 23 MiB
+    async with AsyncCheckpointManager(
+        f"gs://{bucket}/run", storage_options=gcs.options(**FAST), staging_memory=8 * MiB
+    ) as mgr:
+        with pytest.raises(StorageError, match="writes_in_order"):  # from save() or the handle
+            await (await mgr.save(1, state))
+        assert await mgr.steps() == []
+        await (await mgr.save(2, {"small": torch.arange(10)}))
+        assert await mgr.steps() == [2]
+
+
+@pytest.mark.anyio
 async def test_one_writer_per_gcs_root(gcs: GCSServer, bucket: str) -> None:
     """The lease on GCS: a second manager is refused naming the first; with takeover it goes
     on, and the first's next save fails with LeaseLostError and commits nothing."""
