@@ -149,6 +149,42 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+def memory_phases(r: dict[str, Any]) -> dict[str, float]:
+    """aiockpt's trainer peak RSS above its RSS once the state was made, ÷ the state's bytes,
+    per phase measured apart."""
+    base, state = r.get("state_rss_mib"), r.get("state_mib")
+    if not base or not state:
+        return {}
+    out = {}
+    if r.get("save_peak_rss_mib"):
+        out["saving"] = (r["save_peak_rss_mib"] - base) / state
+    for key, name in (
+        ("aiockpt_into_existing", "load(into=state) with the run's slab"),
+        ("aiockpt_fresh", "load() with the run's slab"),
+    ):
+        peak = r.get("load", {}).get(key, {}).get("peak_rss_mib")
+        if peak:
+            out[name] = (peak - base) / state
+    if r.get("resume_load_peak_rss_mib"):
+        out["load() resuming"] = (r["resume_load_peak_rss_mib"] - base) / state
+    return out
+
+
+def vm_hwm_mib() -> float:
+    """This process's peak RSS since it started or since the last :func:`reset_hwm`."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def reset_hwm() -> None:
+    """Start the peak RSS afresh from the current RSS (Linux: clear_refs 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def helpers_peak_mib() -> float:
     """Sum of the peak RSS (VmHWM) of this process's live descendants."""
     import psutil
@@ -384,19 +420,20 @@ def work_aiockpt(
                 await handle
                 smp.background(stall, t0, cpu0, w0, iters)
             out["helpers_peak_rss_mib"] = helpers_peak_mib()
+            out["save_peak_rss_mib"] = vm_hwm_mib()  # the save phase's peak, on its own
             if not dedup:
                 return  # the loads are aiockpt's, measured once
 
             shard = os.path.join(root, f"step_{reps:012d}", "shard_r00000.safetensors")
-            buf = torch.empty(os.path.getsize(shard), dtype=torch.uint8)
-            buf.fill_(0)  # faulted in, like the tensors load(into=...) copies into
-            mv = memoryview(buf.numpy())
+            raw = [torch.empty(os.path.getsize(shard), dtype=torch.uint8)]
+            raw[0].fill_(0)  # faulted in, like the tensors load(into=...) copies into
             how: list[str] = []
 
             def drop() -> None:
                 how.append(drop_cache([shard], cache))
 
             def raw_read() -> None:
+                mv = memoryview(raw[0].numpy())
                 with open(shard, "rb", buffering=0) as f:
                     n = 0
                     while n < len(mv):
@@ -406,8 +443,10 @@ def work_aiockpt(
                         n += got
 
             loads: dict[str, Any] = {"raw_read": timed(raw_read, reps, drop)}
+            raw.clear()  # the raw read's buffer is not the loads' memory
             for name, kwargs in (("into_existing", {"into": state}), ("fresh", {})):
                 times = []
+                reset_hwm()  # the peak of each kind of load, measured apart
                 for _ in range(reps):
                     drop()
                     t1 = time.perf_counter()
@@ -418,9 +457,17 @@ def work_aiockpt(
                     "median": statistics.median(times),
                     "best": min(times),
                     "runs": times,
+                    "peak_rss_mib": vm_hwm_mib(),
                 }
             out["load"] = loads
             out["cache"] = how[-1]
+        # A resumed run: load() by a manager that has staged nothing (the saving one closed,
+        # its slabs gone), the peak taken from there.
+        reset_hwm()
+        async with AsyncCheckpointManager(root, read_only=True) as resumed:
+            result = await resumed.load(reps)
+            out["resume_load_peak_rss_mib"] = vm_hwm_mib()
+            del result
 
     anyio.run(main)
     return out
@@ -465,6 +512,7 @@ def worker_main(args: argparse.Namespace) -> None:
         **smp.summary(),
         **extra,
         "state_rss_mib": base_rss,
+        "state_mib": sum(t.nbytes for t in state.values()) / MiB,
         "peak_rss_mib": peak_rss_mib(),
         "idle_rate": idle,
     }
@@ -650,6 +698,14 @@ def targets(res: dict[str, dict[str, dict]]) -> list[dict[str, Any]]:
     add("load into existing / raw read at 1 GiB", into, 1.3)
     big = ratio(get("4g", "aiockpt", "stall"), ours["stall"])
     add("stall at 4 GiB / stall at 1 GiB", big, 4.4)
+    r4 = res.get("4g", {}).get("aiockpt", {})
+    phases = memory_phases(r4) if r4.get("status") == "ok" else {}
+    add("4 GiB: trainer peak RSS - state, saving / state", phases.get("saving"), 1.15)
+    add(
+        "4 GiB: trainer peak RSS - state, load() resuming / state",
+        phases.get("load() resuming"),
+        1.15,
+    )
     lora_bench.targets(res, add)
     return rows
 
@@ -702,6 +758,15 @@ def markdown(report: dict[str, Any]) -> str:
             }
             lines += ["", "| load | time |", "|---|---:|"]
             lines += [f"| {names[k]} | {fmt_s(v['median'])} |" for k, v in loads.items()]
+        ours = sc["contenders"].get("aiockpt", {})
+        phases = memory_phases(ours) if ours.get("status") == "ok" else {}
+        if phases:
+            lines += [
+                "",
+                "aiockpt trainer, peak RSS minus the state, ÷ the state, by phase: "
+                + ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
+                + ".",
+            ]
         lines.append("")
     lines += ["**Targets for aiockpt (ratios in this run)**", "", "| target | value | limit | |"]
     lines.append("|---|---:|---:|---|")
