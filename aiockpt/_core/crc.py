@@ -11,6 +11,7 @@ zlib's crc32.c). Here with the Castagnoli polynomial, in its reflected form.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable, Sequence
 
 #: The Castagnoli polynomial, bit-reflected, x^32 implied.
 _POLY = 0x82F63B78
@@ -58,3 +59,17 @@ def combine(crc1: int, crc2: int, len2: int) -> int:
     if len2 < 0:
         raise ValueError(f"a length cannot be negative: {len2}")
     return _multmodp(_shift(len2), crc1) ^ crc2
+
+
+def concat(pieces: Iterable[tuple[int, int]]) -> int:
+    """The crc32c of consecutive pieces of bytes, from their ``(crc, length)`` pairs."""
+    crc = 0
+    for c, n in pieces:
+        crc = combine(crc, c, n)
+    return crc
+
+
+def fold(blocks: Sequence[tuple[int, int]], crcs: Sequence[int], tile: range) -> int:
+    """The crc32c of the bytes of consecutive blocks ``tile`` (spans ``blocks``, crcs
+    ``crcs``)."""
+    return concat((crcs[j], blocks[j][1] - blocks[j][0]) for j in tile)

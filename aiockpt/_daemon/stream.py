@@ -19,7 +19,7 @@ import crc32c
 from .._core import blocks as bl
 from .._core import dtable
 from .._core import format as fmt
-from .._core.crc import combine
+from .._core.crc import combine, concat, fold
 from .._core.protocol import SaveReq, SlabFree
 from .._core.windows import parts
 from ..errors import CheckpointError, StorageError
@@ -168,8 +168,7 @@ class ShardStream:
                 plan.wait()
             loose_crcs = iter(direct.result())
             seg_crcs = [
-                next(loose_crcs) if t is None else _fold_blocks(plan.blocks, block_crcs, t)
-                for t in tiles
+                next(loose_crcs) if t is None else fold(plan.blocks, block_crcs, t) for t in tiles
             ]
         finally:
             plan.release()
@@ -206,29 +205,13 @@ class ShardStream:
         this rank's DTensor entries; the block table, the own file's size and the next base
         (deduplication only)."""
         names = {n: i for i, n in enumerate(self.names)}
-        tensor_crcs = [_combined(self.span_crcs[names[s.name]]) for s in specs]
-        shard_crc = _combined(self.window_crcs)
+        tensor_crcs = [concat(self.span_crcs[names[s.name]]) for s in specs]
+        shard_crc = concat(self.window_crcs)
         tensors = fmt.tensors_json(specs, self.data_start, tensor_crcs, json_parts)
         entries = dtable.rank_json(dtensors, self.chunk_blocks) if dtensors else ""
         if self.next_base is not None:
             self.next_base.sizes[self.own] = self.stored
         return (tensors, shard_crc, entries), self.table, self.stored, self.next_base
-
-
-def _fold_blocks(blocks: list[tuple[int, int]], crcs: list[int], tile: range) -> int:
-    crc = crcs[tile[0]]
-    for j in tile[1:]:
-        lo, hi = blocks[j]
-        crc = combine(crc, crcs[j], hi - lo)
-    return crc
-
-
-def _combined(pieces: list[tuple[int, int]]) -> int:
-    """The crc of consecutive pieces' bytes from their (crc, length) pairs."""
-    crc = 0
-    for c, n in pieces:
-        crc = combine(crc, c, n)
-    return crc
 
 
 def check_storage(storage: object, url: str) -> None:

@@ -21,7 +21,7 @@ from .._core import dtable
 from .._core import format as fmt
 from .._core.catalog import Catalog, manifest_path
 from .._core.chunks import Chunk
-from .._core.crc import combine
+from .._core.crc import combine, fold
 from .._core.lease import check_generation
 from .._core.protocol import CheckpointInfo, Hello, LayoutMsg, SaveDone, SaveReq, SlabFree
 from .._core.shm import Segment
@@ -105,15 +105,6 @@ def dtensor_entries(data: memoryview, layout: Layout) -> str:
 
 def _crcs_of(data: memoryview, spans: list[tuple[int, int]]) -> list[int]:
     return [crc32c.crc32c(data[a:b]) for a, b in spans]
-
-
-def _fold(blocks: list[tuple[int, int]], crcs: list[int], tile: range) -> int:
-    """The crc of the bytes of consecutive blocks, from theirs."""
-    crc = crcs[tile[0]]
-    for j in tile[1:]:
-        lo, hi = blocks[j]
-        crc = combine(crc, crcs[j], hi - lo)
-    return crc
 
 
 #: A shard's crc is folded from its tensors' when they average at least this many bytes:
@@ -311,7 +302,7 @@ class Writer:
                     if k in known_tensors
                     else next(loose_crcs)
                     if t is None
-                    else _fold(plan.blocks, block_crcs, t)
+                    else fold(plan.blocks, block_crcs, t)
                     for k, t in enumerate(tiles)
                 ]
                 result = checksums(data, layout, tensor_crcs, dtensors.result())
