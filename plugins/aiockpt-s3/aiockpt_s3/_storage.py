@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
@@ -26,13 +25,13 @@ import fsspec.asyn
 from botocore.exceptions import ClientError
 
 from aiockpt.errors import StorageError
-from aiockpt.storage._stream import InFlight, cut_parts
 
 from ._client import BucketClient
 from ._download import download_into
 from ._errors import GaveUp, clear_frames, error_code, storage_error
 from ._multipart import MultipartUploader
 from ._options import S3Options
+from ._stream import write_stream
 from ._transfer import ViewPayload, checksum_params
 
 __all__ = ["S3Options", "S3Storage", "open_s3"]
@@ -136,36 +135,7 @@ class S3Storage:
         self._run("write", path, self._write, self._key(path), buffers)
 
     def _write_stream(self, path: str, pieces: Iterable[memoryview]) -> None:
-        """Write pieces that come from an iterator, each taken before the next is asked for:
-        they are copied into parts, each sent as it fills, at most ``concurrency`` at once
-        (so this holds at most that many parts). Parts double in size every 1,000, so S3's
-        10,000 parts reach past 5 TiB; an object under ``multipart_threshold`` is one PUT."""
-        key = self._key(path)
-        self._run("write", path, self._uploads.flush_aborts)
-        parts = cut_parts(pieces, self.options.part_size, double_every=1000)
-        head: list[bytes] = []  # parts held until the object is known to need an upload
-        for part in parts:
-            head.append(part)
-            if sum(map(len, head)) >= self.options.multipart_threshold:
-                break
-        else:
-            self._run("write", path, self._put, key, b"".join(head))
-            return
-        upload_id = self._run("write", path, self._uploads.create, key)
-        sending = InFlight(self.fs.loop, self.options.concurrency)
-        total = 0
-        try:
-            for number, part in enumerate(itertools.chain(head, parts), start=1):
-                total += len(part)
-                sending.submit(self._uploads.part(key, upload_id, number, part))
-                head = []
-            done = self._result(sending.results, path)
-            self._run("write", path, self._uploads.complete, key, upload_id, done, total)
-        except BaseException:
-            sending.cancel()
-            with contextlib.suppress(Exception):
-                self._run("abort upload of", path, self._uploads.abort, key, upload_id)
-            raise
+        write_stream(self, path, pieces)
 
     def _result(self, results: Callable[[], T], path: str) -> T:
         """What ``results`` gives; a failure becomes a StorageError, as in _run."""
