@@ -19,17 +19,13 @@ import crc32c
 from .._core import blocks as bl
 from .._core import dtable
 from .._core import format as fmt
-from .._core.crc import combine, concat, fold
+from .._core.crc import FOLD_MIN_AVERAGE, concat, fold
 from .._core.protocol import SaveReq, SlabFree
 from .._core.windows import parts
 from ..errors import CheckpointError, StorageError
 from .dedup import Base, Plan
 from .pipe import Outbox
 from .shared import Slabs, Windows
-
-#: A window's crc is folded from its pieces' where they average at least this many bytes;
-#: else it is read again (see writer.FOLD_MIN_AVERAGE).
-FOLD_MIN_AVERAGE = 64 << 10
 
 
 def writes_in_order(storage: object) -> bool:
@@ -49,10 +45,7 @@ def _fold_window(data: memoryview, segments: list[tuple[int, int]], crcs: list[i
     covers = sum(b - a for a, b in segments) == len(data)
     if not covers or len(segments) * FOLD_MIN_AVERAGE > len(data):
         return crc32c.crc32c(data)
-    crc = crcs[0]
-    for (a, b), c in zip(segments[1:], crcs[1:], strict=True):
-        crc = combine(crc, c, b - a)
-    return crc
+    return concat((c, b - a) for (a, b), c in zip(segments, crcs, strict=True))
 
 
 def _chunk_crcs(data: memoryview, pieces: list[tuple[str, int, int]]) -> list[tuple[str, list]]:

@@ -21,7 +21,7 @@ from .._core import dtable
 from .._core import format as fmt
 from .._core.catalog import Catalog, manifest_path
 from .._core.chunks import Chunk
-from .._core.crc import combine, fold
+from .._core.crc import FOLD_MIN_AVERAGE, combine, fold
 from .._core.lease import check_generation
 from .._core.protocol import CheckpointInfo, Hello, LayoutMsg, SaveDone, SaveReq, SlabFree
 from .._core.shm import Segment
@@ -105,11 +105,6 @@ def dtensor_entries(data: memoryview, layout: Layout) -> str:
 
 def _crcs_of(data: memoryview, spans: list[tuple[int, int]]) -> list[int]:
     return [crc32c.crc32c(data[a:b]) for a, b in spans]
-
-
-#: A shard's crc is folded from its tensors' when they average at least this many bytes:
-#: a fold costs 15-80 us a tensor, reading the bytes again about 30 us per 64 KiB.
-FOLD_MIN_AVERAGE = 64 << 10
 
 
 def shard_checksum(data: memoryview, layout: Layout, tensor_crcs: list[int]) -> int:
