@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
+import mmap
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -15,6 +18,8 @@ from aiockpt.errors import StorageError
 from aiockpt.storage import FsspecStorage, LocalStorage, Storage, open_storage, register_storage
 from aiockpt.storage import _registry as registry
 from aiockpt.storage.testing import StorageContract
+
+MiB = 1024 * 1024
 
 # ------------------------------------------------------------------- the contract
 
@@ -183,6 +188,60 @@ def test_unknown_protocol() -> None:
 def test_local_paths_take_no_options(tmp_path) -> None:
     with pytest.raises(ValueError, match="storage_options"):
         open_storage(str(tmp_path), {"anon": True})
+
+
+# ------------------------------------------------------------------- local reads
+
+
+def _file(tmp_path, size: int) -> tuple[LocalStorage, bytes]:
+    data = random.Random(size).randbytes(size)
+    storage = LocalStorage(str(tmp_path))
+    storage.write_file("f.bin", [memoryview(data)])
+    return storage, data
+
+
+@pytest.mark.parametrize(
+    ("offset", "length"),
+    [
+        (0, 40 * MiB + 123),  # pieces read at once, and an unaligned tail through the cache
+        (4096, 17 * MiB),  # an aligned offset: two pieces
+        (4096, 2 * MiB),  # one piece
+        (100, 3 * MiB),  # an unaligned offset: all through the page cache
+        (0, 4095),  # too small to go past the cache
+    ],
+)
+def test_local_reads_into_aligned_memory(tmp_path, offset: int, length: int) -> None:
+    """Shared memory (page-aligned, as the daemon's segments are) is read with O_DIRECT in
+    pieces read several at a time where the read is large and aligned, and the bytes are
+    the file's whatever path a part takes."""
+    storage, data = _file(tmp_path, 40 * MiB + 123 + 4096)
+    mm = mmap.mmap(-1, length + 4096)
+    try:
+        with memoryview(mm)[:length] as out:
+            storage.readinto("f.bin", offset, out)
+        assert mm[:length] == data[offset : offset + length]
+        assert mm[length:] == bytes(4096)  # nothing written past the buffer
+        if length >= 17 * MiB:  # the pieces were read in parallel (where O_DIRECT works)
+            assert storage._pool is not None or not storage.direct_io
+    finally:
+        mm.close()  # no view of it is left
+        storage.close()
+
+
+def test_a_local_read_past_the_end_fails_and_keeps_no_view(tmp_path) -> None:
+    """A file shorter than an O_DIRECT read is an EIO naming the byte asked for, and the
+    caller's memory can be unmapped at once (a view left to the traceback would stop it)."""
+    storage, _ = _file(tmp_path, 20 * MiB)
+    mm = mmap.mmap(-1, 24 * MiB)
+    try:
+        with pytest.raises(StorageError) as info, memoryview(mm) as out:
+            storage.readinto("f.bin", 0, out)
+        assert info.value.errno == errno.EIO
+        assert f"ends before byte {24 * MiB}" in str(info.value)
+        del info
+    finally:
+        mm.close()
+        storage.close()
 
 
 # ------------------------------------------------------------------- entry points

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import errno as errno_mod
@@ -15,6 +16,14 @@ from ..errors import StorageError
 _DIRECT_ALIGN = 4096
 _CHUNK = 64 * 1024 * 1024  # O_DIRECT chunk: a multiple of the alignment
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+#: Reads of at least this many bytes may go past the page cache (see LocalStorage.readinto).
+_DIRECT_MIN = 1024 * 1024
+#: An O_DIRECT read is cut into requests of this size, this many in flight: measured on a
+#: virtio disk at 1 GiB, one request at a time into fresh shared memory read at 0.5-0.7 GB/s
+#: (most of the time faulting pages in), four at a time at 1.2 GB/s; into memory already
+#: faulted in, both at the disk's 2 GB/s.
+_READ_PIECE = 16 * 1024 * 1024
+_READERS = 4
 #: put_if_absent's temporary name is unique per process: its calls in the process take turns.
 _CREATING = threading.Lock()
 
@@ -30,6 +39,21 @@ def _write_all(fd: int, buf: memoryview, offset: int) -> None:
     while len(buf):
         n = os.pwrite(fd, buf, offset)
         buf, offset = buf[n:], offset + n
+
+
+def _read_all(fd: int, buf: memoryview, offset: int, full: str, end: int) -> None:
+    """Fill ``buf`` from ``offset``; a file ending first is an EIO naming byte ``end``."""
+    done = 0
+    while done < len(buf):
+        with buf[done:] as rest:
+            n = os.preadv(fd, [rest], offset + done)
+        if n == 0:
+            raise StorageError(
+                f"read {full} failed: the file ends before byte {end}",
+                path=full,
+                errno=errno_mod.EIO,
+            )
+        done += n
 
 
 def _fsync_dir(path: str) -> None:
@@ -50,6 +74,7 @@ class LocalStorage:
         self.root = os.path.abspath(root)
         self.url = url or self.root
         self.direct_io = direct_io and bool(_O_DIRECT)
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # see _read_direct
 
     def _full(self, path: str) -> str:
         return os.path.join(self.root, path) if path else self.root
@@ -182,29 +207,78 @@ class LocalStorage:
         return bytes(out)
 
     def readinto(self, path: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with the file's bytes from ``offset``. A large read whose start is
+        aligned in the file and in memory goes past the page cache (O_DIRECT), in pieces read
+        :data:`_READERS` at a time; the rest is read through the page cache."""
         full = self._full(path)
         try:
             fd = os.open(full, os.O_RDONLY)
         except OSError as e:
             raise self._error("open", path, e) from None
+        view = memoryview(out).cast("B")
         try:
-            out = memoryview(out).cast("B")
-            done = 0
-            while done < len(out):
-                n = os.preadv(fd, [out[done:]], offset + done)
-                if n == 0:
-                    raise StorageError(
-                        f"read {full} failed: the file ends before byte {offset + len(out)}",
-                        path=full,
-                        errno=errno_mod.EIO,
-                    )
-                done += n
+            body = self._direct_body(view, offset)
+            if body:
+                with view[:body] as head:  # released on the way out, an error included
+                    body = self._read_direct(full, head, offset)
+            with view[body:] as rest:
+                _read_all(fd, rest, offset + body, full, offset + len(view))
         except OSError as e:
             if isinstance(e, StorageError):
                 raise
             raise self._error("read", path, e) from None
         finally:
+            view.release()
             os.close(fd)
+
+    def _direct_body(self, view: memoryview, offset: int) -> int:
+        """How many bytes from the start of ``view`` to read with O_DIRECT: none for a small
+        read, unaligned memory or an unaligned offset."""
+        if not self.direct_io or len(view) < _DIRECT_MIN or offset % _DIRECT_ALIGN:
+            return 0
+        addr = _address(view)
+        if addr is None or addr % _DIRECT_ALIGN:
+            return 0
+        return len(view) // _DIRECT_ALIGN * _DIRECT_ALIGN
+
+    def _read_direct(self, full: str, body: memoryview, offset: int) -> int:
+        """Read ``body`` with O_DIRECT, :data:`_READ_PIECE` bytes a request and
+        :data:`_READERS` requests in flight (into memory nobody touched yet, the readers also
+        share the work of faulting its pages in); the bytes read, 0 where the filesystem has
+        no O_DIRECT."""
+        try:
+            dfd = os.open(full, os.O_RDONLY | _O_DIRECT)
+        except OSError as e:
+            if e.errno != errno_mod.EINVAL:  # EINVAL: this filesystem has no O_DIRECT
+                raise
+            self.direct_io = False
+            return 0
+        end = offset + len(body)
+
+        def piece(start: int) -> None:
+            with body[start : start + _READ_PIECE] as part:
+                _read_all(dfd, part, offset + start, full, end)
+
+        try:
+            starts = range(0, len(body), _READ_PIECE)
+            if len(starts) == 1:
+                piece(0)
+            else:
+                futures = [self._readers().submit(piece, start) for start in starts]
+                concurrent.futures.wait(futures)
+                for f in futures:
+                    f.result()  # the first failure, once none is still reading
+        finally:
+            os.close(dfd)
+        return len(body)
+
+    def _readers(self) -> concurrent.futures.ThreadPoolExecutor:
+        with _CREATING:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    _READERS, thread_name_prefix="aiockpt-read"
+                )
+            return self._pool
 
     def size(self, path: str) -> int:
         try:
@@ -224,4 +298,6 @@ class LocalStorage:
             raise self._error("list", path, e) from None
 
     def close(self) -> None:
-        pass
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
