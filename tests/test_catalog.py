@@ -3,6 +3,7 @@ how it deletes, and how it verifies a shard."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 
@@ -67,6 +68,28 @@ class Recording(LocalStorage):
 
 
 # --------------------------------------------------------------------------- listing and reading
+
+
+async def test_a_lazily_read_manifest_is_parsed_once_until_its_bytes_change(root):
+    """Loads read a step's manifest every time, and parse it again only when its bytes are
+    not those parsed last (a step rewritten behind the run's back); at most a few are kept."""
+    await save_steps(root, 1, 2, 3)
+    catalog = Catalog(LocalStorage(root))
+    first = catalog.read_manifest(1, lazy=True)
+    assert catalog.read_manifest(1, lazy=True) is first
+    assert catalog.read_manifest(1) is not first  # a full check always parses
+    path = os.path.join(root, fmt.step_dirname(1), fmt.MANIFEST)
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
+    doc["metrics"] = {"loss": 0.25}
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f)
+    changed = catalog.read_manifest(1, lazy=True)
+    assert changed is not first and changed.metrics == {"loss": 0.25}
+    for step in (2, 3):
+        catalog.read_manifest(step, lazy=True)
+    assert len(catalog._parsed) == catalog_module.PARSED_KEPT
+    assert catalog.read_manifest(1, lazy=True) is not changed  # let go for newer ones
 
 
 async def test_lists_committed_steps_and_partial_step_dirs(root):

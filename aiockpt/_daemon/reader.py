@@ -174,6 +174,8 @@ class Reader:
         self.pool = pool
         self.load_segments: set[str] = set()
         self._checks: list[Future[None]] = []
+        #: The manifest (as the catalog keeps it) and rank whose tree was checked last.
+        self._tree_checked: tuple[fmt.Manifest, int] | None = None
 
     @no_gc
     def load(
@@ -203,7 +205,10 @@ class Reader:
         smap = self.catalog.shard_map(step, m.shard_of(rank))
         where = self.catalog.where(path)
         tree = m.trees[rank]
-        fmt.check_tree(tree, set(shard), path=where, dtensor_names=set(m.dtensors))
+        checked = self._tree_checked
+        if checked is None or checked[0] is not m or checked[1] != rank:
+            fmt.check_tree(tree, set(shard), path=where, dtensor_names=set(m.dtensors))
+            self._tree_checked = (m, rank)  # a manifest the catalog kept is not checked again
         left_out: list[str] = []
         if select is not None:
             tree = _selected(tree, select, select_required, left_out)
