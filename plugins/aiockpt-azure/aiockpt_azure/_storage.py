@@ -330,19 +330,20 @@ class AzureStorage:
         await self._call("write", key, lambda: blob.commit_block_list(blocks, retry_total=0))
 
     async def _stage(self, blob: Any, block_id: str, data: memoryview | bytes) -> None:
-        """Stage one block, its body sent in 1 MiB slices of the caller's memory (aiohttp
-        would warn on a larger write, which holds the loop; asyncio may copy it)."""
+        """Stage one block, its body sent in 1 MiB copies of the caller's memory (aiohttp
+        would warn on a larger write, which holds the loop)."""
         writers: set[asyncio.Task[Any]] = set()
-        body = _slices(data, writers)
+        held: list[memoryview | bytes] = [data]
+        body = _slices(held, writers)
         try:
             await blob.stage_block(block_id, body, length=len(data), retry_total=0)
         finally:
-            # aiohttp may leave its writer task sending the body after a failed request; it
-            # holds a view of the caller's memory until it ends, and its error, with the
-            # frames it went through, until the error is taken.
+            # aiohttp may leave its writer task sending the body after a failed request, and
+            # its error, with the frames it went through, until the error is taken.
             for e in await _settle(writers):
                 _clear_frames(e)
             writers.clear()
+            held.clear()  # the body, even if never started, holds no view of the caller's
             with contextlib.suppress(RuntimeError):
                 await body.aclose()
 
@@ -518,21 +519,24 @@ class AzureStorage:
 
 
 async def _slices(
-    data: memoryview | bytes, writers: set[asyncio.Task[Any]]
-) -> AsyncGenerator[memoryview | bytes, None]:
-    """``data`` in 1 MiB slices, each a view; the tasks that iterate it go into ``writers``."""
-    view: memoryview | None = memoryview(data)
-    piece: memoryview | None = None
-    try:
-        task = asyncio.current_task()
-        if task is not None:
-            writers.add(task)
-        for start in range(0, len(data), MiB):
-            piece = view[start : start + MiB] if view is not None else None
-            yield piece if piece is not None else b""
-            piece = None
-    finally:
-        view = piece = None  # kept by any traceback through this frame otherwise
+    held: list[memoryview | bytes], writers: set[asyncio.Task[Any]]
+) -> AsyncGenerator[bytes, None]:
+    """The bytes ``held`` holds, as 1 MiB copies; the tasks that iterate it go into
+    ``writers``. Copies, not views: a failed send leaves what it was sending to errors that
+    aiohttp and asyncio keep where no frame clearing reaches (a reset connection's error, in
+    a reference cycle of its protocol), and a view there would keep the caller's shared memory
+    from being unmapped until the garbage collector ran. The copy costs a memcpy per byte,
+    well under what sending it does; asyncio copies what the socket does not take at once."""
+    task = asyncio.current_task()
+    if task is not None:
+        writers.add(task)
+    size = len(held[0]) if held else 0
+    for start in range(0, size, MiB):
+        if not held:
+            return
+        with memoryview(held[0])[start : start + MiB] as piece:
+            chunk = bytes(piece)
+        yield chunk
 
 
 def _slice(views: list[memoryview], start: int, stop: int) -> memoryview | bytes:
