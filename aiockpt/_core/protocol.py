@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: Bumped on any change to these messages; checked by both ends in the handshake.
-PROTOCOL = 7
+PROTOCOL = 8
 
 #: How a loaded tensor lies in shared memory: (safetensors dtype, shape, byte offset).
 TensorAt = tuple[str, tuple[int, ...], int]
@@ -246,6 +246,13 @@ class LoadReq(ReadReq):
     #: ``select_required``, a key path that names nothing is an error.
     select: tuple[str, ...] | None = None
     select_required: bool = True
+    #: A load staged in windows (``staging_memory``): its bytes pass through ``slab`` at most
+    #: this many at a time. With ``part`` None, every window is read and checked and the
+    #: reply says where each tensor lies in the whole load and what the windows are; with
+    #: ``part`` i, window i is read into the slab from its start (the reply's ``tensors`` and
+    #: ``tree`` are then empty).
+    window: int = 0
+    part: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,6 +274,8 @@ class LoadReply:
     read_nbytes: int = 0
     #: Key paths a selection left out of ``tree`` (see LoadReq.select).
     left_out: tuple[str, ...] = ()
+    #: A load in windows: each window's byte range of the whole load.
+    windows: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,10 +7,11 @@ The trainer gets a :class:`LoadReply` saying where each verified tensor lies.
 
 from __future__ import annotations
 
+import bisect
 import difflib
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import crc32c
 
@@ -27,6 +28,7 @@ from ..errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     SavedKeyNotFoundError,
+    StagingMemoryError,
 )
 from .reshard import OUT_ALIGN, Assembler, out_offsets, wanted_box
 from .shared import Slabs
@@ -158,6 +160,61 @@ def _placed(
     return tensors
 
 
+class _Plan(NamedTuple):
+    """A load's output: its plain ranges (the shard's bytes [lo, hi) at ``bases``), its
+    distributed boxes at ``out_at``, and where it reads them."""
+
+    ranges: list[tuple[int, int, Tensors]]
+    bases: list[int]
+    boxes: list[tuple[str, str, Chunk]]
+    out_at: dict[str, int]
+    #: The window each box is assembled in.
+    box_window: dict[str, int]
+    smap: ShardMap
+    where: str
+
+
+def cut_output(
+    size: int, window: int, boxes: list[tuple[str, str, Chunk]], out_at: dict[str, int]
+) -> tuple[tuple[int, int], ...]:
+    """The windows of a load's output of ``size`` bytes: consecutive ranges of at most
+    ``window`` bytes, ending on multiples of 4096 where they can and never inside a
+    distributed tensor's box (one is assembled whole); plain tensors may be cut there, at an
+    element (every item size divides 4096, and a tensor starts on a multiple of its item
+    size). Raises StagingMemoryError when a box is larger than ``window``."""
+    spans = sorted(
+        (out_at[name], out_at[name] + box.numel * fmt.DTYPE_SIZES[dtype], name)
+        for name, dtype, box in boxes
+    )
+    if window < 4096:
+        raise StagingMemoryError(
+            f"a load window of {window} bytes is too small: give staging_memory at least "
+            f"{4 * 4096} bytes"
+        )
+    for o, e, name in spans:
+        if e - o > window:
+            raise StagingMemoryError(
+                f"{name}: its {e - o} bytes are read whole and do not fit a load window of "
+                f"{window} bytes (a load under staging_memory reads through two windows of "
+                f"half a save's share of it): raise staging_memory so that a window holds them"
+            )
+    cut: list[tuple[int, int]] = []
+    pos = 0
+    while pos < size:
+        end = min(size, pos + window)
+        if end < size:
+            end = end // 4096 * 4096  # past pos: window is at least 4096
+        i = bisect.bisect_right(spans, (end, end, "")) - 1
+        if i >= 0 and spans[i][0] < end < spans[i][1]:
+            # Never inside a box: end before it, or after it when it starts the window (it
+            # fits, see above).
+            end = spans[i][0] if spans[i][0] > pos else spans[i][1]
+        assert end > pos
+        cut.append((pos, end))
+        pos = end
+    return tuple(cut) or ((0, 0),)
+
+
 def _ranges(steps: list[int]) -> str:
     shown = ", ".join(map(str, steps[-10:]))
     return shown if len(steps) <= 10 else f"…, {shown}"
@@ -188,13 +245,20 @@ class Reader:
         select: tuple[str, ...] | None = None,
         *,
         select_required: bool = True,
+        window: int = 0,
+        part: int | None = None,
     ) -> LoadReply:
         """Read and verify a rank's tensors of ``step`` (the latest when None) into shared
         memory: into the trainer's ``slab`` when given and large enough, else into a new
         segment the trainer takes over. Distributed tensors come after the rank's plain
         tensors: the box of each that ``wanted`` names, the whole of the others. With
         ``select`` (key paths), only the values at or under those paths are read and
-        returned."""
+        returned.
+
+        With ``window`` (bytes), the load's bytes pass through ``slab`` a window at a time
+        (see :func:`cut_output`): with ``part`` None every window is read and checked and
+        the reply says where each tensor lies in the whole and what the windows are; with
+        ``part`` i, window i is read into the slab, at its start."""
         step = self._committed(step)
         # Lazily: a rank checks the records it reads, not every rank's (200k at 1024 ranks).
         m = self.catalog.read_manifest(step, lazy=True)
@@ -220,6 +284,38 @@ class Reader:
             bases.append(pos)
             pos += hi - lo
         out_at, size = out_offsets(pos, boxes)
+        if window:
+            assert slab is not None
+            windows = cut_output(size, window, boxes, out_at)
+            seg = self.slabs.get(slab.name, slab.size)
+            starts = [w[0] for w in windows]
+            box_window = {
+                name: bisect.bisect_right(starts, out_at[name]) - 1 for name, _, _ in boxes
+            }
+            plan = _Plan(ranges, bases, boxes, out_at, box_window, smap, where)
+            todo = range(len(windows)) if part is None else [part]
+            crcs: dict[str, int] | None = {} if part is None else None
+            read = 0
+            try:
+                for i in todo:
+                    read += self._fill(m, step, seg, plan, windows, i, crcs)
+            finally:
+                self._wait_checks(quiet=True)
+            return LoadReply(
+                step=step,
+                segment=None,
+                size=size,
+                tensors=_placed(ranges, bases, boxes, out_at) if part is None else {},
+                tree=tree if part is None else None,
+                metrics=m.metrics,
+                metadata=m.metadata,
+                created_at=m.created_at,
+                nbytes=m.nbytes,
+                url=self.catalog.where(fmt.step_dirname(step)),
+                read_nbytes=read,
+                left_out=tuple(left_out),
+                windows=windows,
+            )
         pooled = slab is not None and slab.size >= size
         if slab is not None and pooled:
             seg = self.slabs.get(slab.name, slab.size)
@@ -256,6 +352,60 @@ class Reader:
             read_nbytes=read + (assembled.read_bytes if assembled else 0),
             left_out=tuple(left_out),
         )
+
+    def _fill(
+        self,
+        m: fmt.Manifest,
+        step: int,
+        seg: Segment,
+        plan: _Plan,
+        windows: tuple[tuple[int, int], ...],
+        index: int,
+        crcs: dict[str, int] | None,
+    ) -> int:
+        """Read window ``index`` of a windowed load's output into ``seg`` from its start and
+        check them: each tensor wholly in the window by its crc32c, each distributed box
+        as it is assembled. A tensor split between windows is checked when ``crcs`` (its
+        running crc32c by name, the windows filled in order) is given, that is in the pass
+        that reads them all; the bytes read."""
+        a, b = windows[index]
+        read = 0
+        for (lo, hi, items), base in zip(plan.ranges, plan.bases, strict=True):
+            x, y = max(a, base), min(b, base + hi - lo)
+            if x > y or (x == y and hi > lo):
+                continue  # no byte of the range here (an empty one is checked where it lies)
+            if x < y:
+                with seg.buf[x - a : y - a] as out:
+                    plan.smap.readinto(self.storage, lo + x - base, out)
+                read += y - x
+            shift = lo - base + a  # a file offset minus this is its place in seg
+            whole: Tensors = []
+            for name, r in items:
+                o, e = r.start - lo + base, r.end - lo + base
+                if a <= o and e <= b:
+                    whole.append((name, r))
+                elif crcs is not None and o < b and e > a:
+                    with seg.buf[max(o, a) - a : min(e, b) - a] as piece:
+                        crcs[name] = crc32c.crc32c(piece, crcs.get(name, 0))
+                    if e <= b and crcs.pop(name) != r.crc32c:
+                        raise CorruptCheckpointError(
+                            f"{plan.where}: tensor {name!r} failed its crc32c check",
+                            path=plan.where,
+                            key=name,
+                        )
+            if whole:
+                self._checks.append(
+                    self.pool.submit(check_crcs, seg, whole, shift, plan.where, plan.smap)
+                )
+        inside = [
+            (name, dtype, box) for name, dtype, box in plan.boxes if plan.box_window[name] == index
+        ]
+        if inside:
+            shifted = {name: plan.out_at[name] - a for name, _, _ in inside}
+            assembled = self._assemble(m, step, inside, shifted, seg)
+            read += assembled.read_bytes if assembled else 0
+        self._wait_checks()
+        return read
 
     def _assemble(
         self,

@@ -147,6 +147,8 @@ class Daemon:
             req.wanted,
             req.select,
             select_required=req.select_required,
+            window=req.window,
+            part=req.part,
         )
 
     def _steps(self, req: StepsReq) -> tuple[int, ...]:

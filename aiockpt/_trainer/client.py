@@ -127,6 +127,8 @@ class DaemonClient(Protocol):
         wanted: dict[str, Wanted] | None = None,
         select: tuple[str, ...] | None = None,
         select_required: bool = True,
+        window: int = 0,
+        part: int | None = None,
     ) -> LoadReply: ...
     async def request(self, kind: type[ReadReq], **fields: Any) -> Any:
         """Send ``kind(id, **fields)`` and return its reply's value, or raise its error;

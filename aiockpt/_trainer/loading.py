@@ -9,7 +9,7 @@ import mmap
 import os
 import time
 import uuid as uuid_mod
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
 import anyio
@@ -27,10 +27,12 @@ from .state import (
     TORCH_TO_ST,
     Flat,
     Flattener,
+    Restored,
     StaleFlat,
     _dtensor_type,
     is_stateful,
     load_into,
+    plan_restore,
     unflatten,
 )
 
@@ -38,8 +40,17 @@ from .state import (
 #: when one is given and large enough, else a fresh segment; ``wanted`` says which box of each
 #: distributed tensor restored into a DTensor is wanted (the others are read whole); ``keys``
 #: the key paths to read (None: all), and whether each must name something.
+#: With ``window`` and ``part``, a load in windows (see LoadReq).
 Read = Callable[
-    [int | None, SlabRef | None, dict[str, Wanted] | None, tuple[str, ...] | None, bool],
+    [
+        int | None,
+        SlabRef | None,
+        dict[str, Wanted] | None,
+        tuple[str, ...] | None,
+        bool,
+        int,
+        int | None,
+    ],
     Awaitable[LoadReply],
 ]
 
@@ -71,7 +82,7 @@ class Loader:
             if step is not None:
                 _check_step(step)
             if into is None:
-                reply = await self._read(step, None, None, keys, True)
+                reply = await self._read(step, None, None, keys, True, 0, None)
                 with gc_paused():  # 20k fresh views and containers: see gc_paused
                     result = unflatten(reply.tree, map_loaded(reply))
             else:
@@ -124,8 +135,12 @@ class Loader:
             )
             for h in held.values()
         }
-        if layout is not None and self._pool.window_size(layout.file_size) is None:
-            # (A shard staged in windows has no slab of its size: read into a fresh segment.)
+        if layout is not None:
+            window = self._pool.window_size(layout.file_size)
+            if window is not None:  # staged in windows under staging_memory: loaded so too
+                return await self._load_windows(
+                    step, into, strict, keys, required, held, wanted, window
+                )
             slab = await self._pool.acquire(layout.file_size, layout.id)
         try:
             reply = await self._read(
@@ -134,6 +149,8 @@ class Loader:
                 wanted or None,
                 keys,
                 required,
+                0,
+                None,
             )
             if reply.segment is None:
                 assert slab is not None
@@ -156,21 +173,211 @@ class Loader:
                 )
             )
             del tensors
-            result = restored.value
-            only_saved = [*restored.only_saved, *(reply.left_out if not required else ())]
-            if only_saved or restored.only_target:
-                logger.warning(
-                    "load(strict=False) of step %d restored what both hold; not restored "
-                    "(saved, not in the target): %s; left as they were (in the target, not "
-                    "saved): %s",
-                    reply.step,
-                    sorted(only_saved) or "none",
-                    list(restored.only_target) or "none",
-                )
+            _say_left_out(reply, restored, required)
         finally:
             if slab is not None:
                 self._pool.release(slab.name)
-        return reply, result
+        return reply, restored.value
+
+    async def _load_windows(
+        self,
+        step: int | None,
+        into: Any,
+        strict: bool,
+        keys: tuple[str, ...] | None,
+        required: bool,
+        held: dict[str, Any],
+        wanted: dict[str, Wanted],
+        window: int,
+    ) -> tuple[LoadReply, Any]:
+        """Restore into existing objects through two window slabs of the staging pool, so a
+        load stays under ``staging_memory`` as a save does.
+
+        The daemon first reads every window and checks every checksum (the target is left
+        untouched if any fails), then reads them again one at a time, each copied into the
+        targets before the next: a capped load reads its bytes twice. What a restore hands
+        over rather than copies in place (a module's or optimizer's state dict) is read
+        into tensors of its own, as an uncapped load clones it.
+        """
+        slabs = await self._pool.acquire_windows(window)
+        try:
+            for slab in slabs:
+                self._pool.reuse_for_load(slab)
+            first = SlabRef(slabs[0].name, slabs[0].size)
+            reply = await self._read(step, first, wanted or None, keys, required, window, None)
+            scope = keys if required else None
+            plan = await anyio.to_thread.run_sync(WindowedRestore, reply, into, held, strict, scope)
+            try:
+                for i, span in enumerate(reply.windows):
+                    slab = slabs[i % 2]
+                    ref = SlabRef(slab.name, slab.size)
+                    await self._read(reply.step, ref, wanted or None, keys, required, window, i)
+                    await anyio.to_thread.run_sync(plan.copy_window, slab.u8, span)
+                restored = await anyio.to_thread.run_sync(plan.finish)
+            except BaseException:
+                logger.error(
+                    "load(into=) of step %d stopped while copying its windows, after every "
+                    "checksum had passed: the target may be partly restored",
+                    reply.step,
+                )
+                raise
+        finally:
+            self._pool.close_windows(slabs, list(slabs))
+        _say_left_out(reply, restored, required)
+        return reply, restored.value
+
+
+def _say_left_out(reply: LoadReply, restored: Restored, required: bool) -> None:
+    """Warn of what a ``strict=False`` restore left out, if anything."""
+    only_saved = [*restored.only_saved, *(reply.left_out if not required else ())]
+    if only_saved or restored.only_target:
+        logger.warning(
+            "load(strict=False) of step %d restored what both hold; not restored "
+            "(saved, not in the target): %s; left as they were (in the target, not "
+            "saved): %s",
+            reply.step,
+            sorted(only_saved) or "none",
+            list(restored.only_target) or "none",
+        )
+
+
+class WindowedRestore:
+    """A restore whose sources come a window at a time (see Loader._load_windows).
+
+    It is planned twice. First against placeholders (meta tensors of the saved shapes), which
+    checks everything before anything changes and says what is copied in place and what is
+    handed over. Tensors handed over, and sources a target takes only part of or a
+    non-contiguous target, get tensors of their own, filled window by window like the
+    targets copied into in place. Once every window is in, the restore is planned again
+    with those tensors as sources and carried out, skipping the copies already made.
+    """
+
+    def __init__(
+        self,
+        reply: LoadReply,
+        into: Any,
+        held: dict[str, Any],
+        strict: bool,
+        scope: tuple[str, ...] | None,
+    ) -> None:
+        self._into, self._tree, self._held = into, reply.tree, held
+        self._strict, self._scope = strict, scope
+        meta = {
+            name: torch.empty(shape, dtype=ST_TO_TORCH[dtype], device="meta")
+            for name, (dtype, shape, _) in reply.tensors.items()
+        }
+        self._meta = meta
+        #: name -> a tensor of its own, filled from the windows (see class docstring).
+        self._own: dict[str, torch.Tensor] = {}
+        # What is handed over gets its own tensor at once, not a placeholder: building the
+        # values handed over may look at them (a DTensor's local tensor is moved to its
+        # device, an array viewed); their bytes come later.
+        first = plan_restore(
+            into, reply.tree, meta, _Asked(self._own_tensor, meta), held, strict, scope
+        )
+        by_id = {id(t): name for name, t in meta.items()}
+        direct: list[tuple[str, torch.Tensor]] = []
+        for dst, src in zip(first.dsts, first.srcs, strict=True):
+            name = by_id.get(id(src))
+            if name is not None and dst.is_contiguous():
+                direct.append((name, dst))
+                continue
+            base = src if src._base is None else src._base
+            self._own_tensor(by_id[id(base)])
+        direct.extend(self._own.items())
+        #: (start, end, the destination's bytes) in the load's output, by start.
+        self._spans: list[tuple[int, int, torch.Tensor]] = []
+        for name, dst in direct:
+            start = reply.tensors[name][2]
+            n = dst.numel() * dst.element_size()
+            if n:
+                self._spans.append((start, start + n, dst.reshape(-1).view(torch.uint8)))
+        self._spans.sort(key=lambda item: item[0])
+        self._next = 0
+
+    def _own_tensor(self, name: str) -> torch.Tensor:
+        """The tensor of its own of ``name``, made the first time (its memory untouched
+        until a window fills it)."""
+        own = self._own.get(name)
+        if own is None:
+            m = self._meta[name]
+            own = self._own[name] = torch.empty(m.shape, dtype=m.dtype)
+        return own
+
+    def copy_window(self, u8: torch.Tensor, span: tuple[int, int]) -> None:
+        """Copy the window ``span`` of the load, in ``u8`` from its start, where it goes."""
+        a, b = span
+        dsts, srcs = [], []
+        spans, i = self._spans, self._next
+        while i < len(spans) and spans[i][0] < b:
+            o, e, dst = spans[i]
+            x, y = max(o, a), min(e, b)
+            if x < y:
+                dsts.append(dst[x - o : y - o])
+                srcs.append(u8[x - a : y - a])
+            i += 1
+        while self._next < len(spans) and spans[self._next][1] <= b:
+            self._next += 1
+        if dsts:
+            with torch.no_grad():
+                copy_pairs(dsts, srcs)
+
+    def finish(self) -> Restored:
+        """The second plan, against the filled tensors, carried out."""
+        sources = {**self._meta, **self._own}
+        plan = plan_restore(
+            self._into,
+            self._tree,
+            sources,
+            _Handed(self._own),
+            self._held,
+            self._strict,
+            self._scope,
+        )
+
+        def copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+            pairs = [(d, s) for d, s in zip(dsts, srcs, strict=True) if not s.is_meta]
+            if pairs:  # the others were copied in place from the windows
+                copy_pairs([d for d, _ in pairs], [s for _, s in pairs])
+
+        return plan.finish(copy)
+
+
+class _Asked(Mapping[str, torch.Tensor]):
+    """The values to hand over in the first plan: each name's tensor of its own."""
+
+    def __init__(self, own: Callable[[str], torch.Tensor], names: Mapping[str, Any]) -> None:
+        self._own = own
+        self._names = names
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._own(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+class _Handed(Mapping[str, torch.Tensor]):
+    """The tensors of their own, handed over: each the first time, a clone after."""
+
+    def __init__(self, own: dict[str, torch.Tensor]) -> None:
+        self._own = own
+        self._given: set[str] = set()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self._given:
+            return self._own[name].clone()
+        self._given.add(name)
+        return self._own[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._own)
+
+    def __len__(self) -> int:
+        return len(self._own)
 
 
 def check_keys(keys: Any) -> tuple[str, ...] | None:

@@ -278,6 +278,8 @@ class AsyncCheckpointManager:
         wanted: dict[str, Wanted] | None,
         keys: tuple[str, ...] | None,
         required: bool,
+        window: int = 0,
+        part: int | None = None,
     ) -> LoadReply:
         d = await self._daemons.live()
         return await d.request(
@@ -289,6 +291,8 @@ class AsyncCheckpointManager:
             wanted=wanted,
             select=keys,
             select_required=required,
+            window=window,
+            part=part,
         )
 
     # ----------------------------------------------------------------- the API

@@ -537,12 +537,17 @@ def _tensor_problem(t: torch.Tensor) -> str:
 
 
 def unflatten(
-    tree: Any, tensors: Mapping[str, torch.Tensor], held: Mapping[str, Any] | None = None
+    tree: Any,
+    tensors: Mapping[str, torch.Tensor],
+    held: Mapping[str, Any] | None = None,
+    later: list[Callable[[], object]] | None = None,
 ) -> Any:
     """Rebuild the saved nesting; objects saved through state_dict() come back as their dicts.
 
     A distributed tensor comes back whole, as a plain tensor, unless ``held`` has a DTensor
-    (dtensor.Held) of its name: then as a DTensor like that one, of this rank's chunk.
+    (dtensor.Held) of its name: then as a DTensor like that one, of this rank's chunk. With
+    ``later``, a generator's state is set by a call appended there, not now (a restore
+    plans before its tensors hold their bytes).
     """
     # Recursive, unlike _core.tree.walk: a rebuild needs its children's values, and the tree
     # was checked (its depth bounded) before it got here.
@@ -552,13 +557,13 @@ def unflatten(
             return _as_dtensor(held[body], tensors[body], body)
         return tensors[body]
     if tag == DICT:
-        return {k: unflatten(v, tensors, held) for k, v in body}
+        return {k: unflatten(v, tensors, held, later) for k, v in body}
     if tag == LIST:
-        return [unflatten(v, tensors, held) for v in body]
+        return [unflatten(v, tensors, held, later) for v in body]
     if tag == TUPLE:
-        return tuple(unflatten(v, tensors, held) for v in body)
+        return tuple(unflatten(v, tensors, held, later) for v in body)
     if tag == STATEFUL:
-        return unflatten(body, tensors, held)
+        return unflatten(body, tensors, held, later)
     if tag == FLOAT:
         return decode_float(body)
     if tag == NDARRAY:
@@ -567,7 +572,11 @@ def unflatten(
         gen = torch.Generator(device=body[0])
         # A copy of its own: set_state reads the storage from its start, ignoring the offset
         # of a view into the loaded buffer.
-        gen.set_state(tensors[body[1]].clone())
+        state = tensors[body[1]]
+        if later is None:
+            gen.set_state(state.clone())
+        else:
+            later.append(lambda: gen.set_state(state.clone()))
         return gen
     if tag == NPSCALAR:
         import numpy as np
@@ -685,22 +694,32 @@ def load_into(
     checkpoint lacks keep their values; the returned Restored says which. ``scope`` (the key
     paths a load selected) limits the key check to what lies under them.
     """
-    restorer = _Restorer(tensors, owned, held or {})
-    result = restorer.restore(target, tree, "")
+    restorer = plan_restore(
+        target, tree, tensors, tensors if owned else _Cloning(tensors), held, strict, scope
+    )
+    return restorer.finish(copy)
+
+
+def plan_restore(
+    target: Any,
+    tree: Any,
+    tensors: Mapping[str, torch.Tensor],
+    fresh: Mapping[str, torch.Tensor],
+    held: Mapping[str, Any] | None,
+    strict: bool,
+    scope: tuple[str, ...] | None,
+) -> _Restorer:
+    """The checks and the plan of :func:`load_into`, nothing changed yet: ``tensors`` are
+    the sources copied in place (``Restorer.srcs`` are them or views of them), ``fresh``
+    gives the values that are handed over instead (a module's or optimizer's state dict, a
+    tensor with no tensor to copy into); ``finish`` then makes the changes."""
+    restorer = _Restorer(tensors, fresh, held or {})
+    restorer.result = restorer.restore(target, tree, "")
     if scope is not None:  # target keys outside the selection read were not asked for
         restorer.only_target = [p for p in restorer.only_target if _within(p, scope)]
     if strict and (restorer.only_saved or restorer.only_target):
         raise LoadMismatchError(restorer.key_difference())
-    if restorer.dsts:
-        with torch.no_grad():
-            copy(restorer.dsts, restorer.srcs)
-    for container, key, value in restorer.sets:
-        container[key] = value
-    for call in restorer.calls:
-        call()
-    for obj, value in restorer.loads:
-        obj.load_state_dict(value)
-    return Restored(result, tuple(restorer.only_saved), tuple(restorer.only_target))
+    return restorer
 
 
 @dataclass(frozen=True, slots=True)
@@ -729,11 +748,15 @@ class _Restorer:
     collecting what to change; nothing changes until the walk is over."""
 
     def __init__(
-        self, tensors: Mapping[str, torch.Tensor], owned: bool, held: Mapping[str, Any]
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        fresh: Mapping[str, torch.Tensor],
+        held: Mapping[str, Any],
     ) -> None:
         self.tensors = tensors
-        self.fresh = tensors if owned else _Cloning(tensors)
+        self.fresh = fresh
         self.held = held
+        self.result: Any = None
         self.dsts: list[torch.Tensor] = []
         self.srcs: list[torch.Tensor] = []
         #: (container, key, value): an item to set; (object, state dict): a load_state_dict.
@@ -743,6 +766,20 @@ class _Restorer:
         self.calls: list[Callable[[], object]] = []
         self.only_saved: list[str] = []
         self.only_target: list[str] = []
+
+    def finish(self, copy: Callable[[list[torch.Tensor], list[torch.Tensor]], None]) -> Restored:
+        """Make the planned changes: ``copy(dsts, srcs)``, then the items set, the in-place
+        restores and the load_state_dict calls."""
+        if self.dsts:
+            with torch.no_grad():
+                copy(self.dsts, self.srcs)
+        for container, key, value in self.sets:
+            container[key] = value
+        for call in self.calls:
+            call()
+        for obj, value in self.loads:
+            obj.load_state_dict(value)
+        return Restored(self.result, tuple(self.only_saved), tuple(self.only_target))
 
     def key_difference(self) -> str:
         parts = []
@@ -769,7 +806,7 @@ class _Restorer:
             return self.ndarray(target, body, path)
         if is_stateful(target):
             inner = body if tag == STATEFUL else tree
-            value = unflatten(inner, self.fresh, self.held)
+            value = unflatten(inner, self.fresh, self.held, self.calls)
             _dry_run(target, value, path)
             self.loads.append((target, value))
             return target
@@ -794,7 +831,7 @@ class _Restorer:
                 if value is not target[i]:
                     self.sets.append((target, i, value))
             return target
-        return unflatten({tag: body}, self.fresh)
+        return unflatten({tag: body}, self.fresh, later=self.calls)
 
     def ndarray(self, target: Any, name: str, path: str) -> Any:
         """Restore a numpy array in place (it is checked now, copied when all is checked)."""
