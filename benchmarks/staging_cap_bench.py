@@ -12,6 +12,12 @@ state would). For each it prints the medians of:
 - ``rss+``: the trainer's peak RSS over the run, minus its RSS before the first save, ÷ state
   (from ``/proc/self/status`` VmHWM after resetting it through ``/proc/self/clear_refs``).
 
+Then, in the same manager, ``load(into=...)`` of the last step, the page cache dropped before
+each when this process may (``/proc/sys/vm/drop_caches``): its median time, the most the pool
+held during the loads, and the trainer's peak RSS during them (minus its RSS before the
+loads). Under a cap smaller than the shard a load reads through two window slabs and reads
+the bytes twice (checked whole first, then copied window by window).
+
 Beside them: ``memcpy`` of the state into a warm buffer (the stall's floor) and ``write+fsync``
 of the same bytes with ``os.write`` (the durable floor), in the same run.
 
@@ -98,12 +104,40 @@ async def run_cap(
                 stalls.append(staged - t)
                 durables.append(done - t)
         peak = mgr._pool.peak
+        rss = vm("VmHWM") - base
+        mgr._pool.peak = mgr._pool.held  # the loads' own peak from here
+        loads = []
+        load_base = vm("VmRSS")
+        rss_reset()
+        for _ in range(repeat):
+            drop_cache()
+            t = time.perf_counter()
+            await mgr.load(repeat, into={"model": state})
+            loads.append(time.perf_counter() - t)
+        load_rss = vm("VmHWM") - load_base
+        load_peak = mgr._pool.peak
     return {
         "stall": statistics.median(stalls),
         "durable": statistics.median(durables),
         "staging": peak,
-        "rss": vm("VmHWM") - base,
+        "rss": rss,
+        "load": statistics.median(loads),
+        "load_staging": load_peak,
+        "load_rss": load_rss,
     }
+
+
+#: Whether the page cache could be dropped before the loads (root only).
+DROPPED = [True]
+
+
+def drop_cache() -> None:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+    except OSError:
+        DROPPED[0] = False
 
 
 def main() -> None:
@@ -138,6 +172,22 @@ def main() -> None:
         print(
             f"| {name} | {r['stall']:.3f} | {r['stall'] / copy:.2f} | {r['durable']:.3f} | "
             f"{r['durable'] / write:.2f} | {r['staging'] / nbytes:.2f} | {r['rss'] / nbytes:.2f} |"
+        )
+    print()
+    cache = "dropped before each" if DROPPED[0] else "not dropped (needs root)"
+    print(f"load(into=state), page cache {cache}, medians")
+    print()
+    print(
+        "| staging_memory | load (s) | load ÷ uncapped | staging held while loading ÷ state "
+        "| trainer peak RSS − before ÷ state |"
+    )
+    print("|---|---|---|---|---|")
+    uncapped = rows[-1][1]["load"]
+    for cap, r in rows:
+        name = "none" if cap is None else f"{cap:.0%}"
+        print(
+            f"| {name} | {r['load']:.3f} | {r['load'] / uncapped:.2f} | "
+            f"{r['load_staging'] / nbytes:.2f} | {r['load_rss'] / nbytes:.2f} |"
         )
     sys.stdout.flush()
 

@@ -374,29 +374,29 @@ class Reader:
             x, y = max(a, base), min(b, base + hi - lo)
             if x > y or (x == y and hi > lo):
                 continue  # no byte of the range here (an empty one is checked where it lies)
-            if x < y:
-                with seg.buf[x - a : y - a] as out:
-                    plan.smap.readinto(self.storage, lo + x - base, out)
-                read += y - x
-            shift = lo - base + a  # a file offset minus this is its place in seg
             whole: Tensors = []
+            split: Tensors = []
             for name, r in items:
                 o, e = r.start - lo + base, r.end - lo + base
                 if a <= o and e <= b:
                     whole.append((name, r))
-                elif crcs is not None and o < b and e > a:
-                    with seg.buf[max(o, a) - a : min(e, b) - a] as piece:
-                        crcs[name] = crc32c.crc32c(piece, crcs.get(name, 0))
-                    if e <= b and crcs.pop(name) != r.crc32c:
-                        raise CorruptCheckpointError(
-                            f"{plan.where}: tensor {name!r} failed its crc32c check",
-                            path=plan.where,
-                            key=name,
-                        )
-            if whole:
-                self._checks.append(
-                    self.pool.submit(check_crcs, seg, whole, shift, plan.where, plan.smap)
-                )
+                elif o < b and e > a:
+                    split.append((name, r))
+            # Read in chunks, each one's whole tensors checked while the next is read.
+            self._read_verified(
+                seg, plan.smap, whole, lo + x - base, lo + y - base, x - a, plan.where
+            )
+            read += y - x
+            for name, r in split if crcs is not None else ():
+                o, e = r.start - lo + base, r.end - lo + base
+                with seg.buf[max(o, a) - a : min(e, b) - a] as piece:
+                    crcs[name] = crc32c.crc32c(piece, crcs.get(name, 0))
+                if e <= b and crcs.pop(name) != r.crc32c:
+                    raise CorruptCheckpointError(
+                        f"{plan.where}: tensor {name!r} failed its crc32c check",
+                        path=plan.where,
+                        key=name,
+                    )
         inside = [
             (name, dtype, box) for name, dtype, box in plan.boxes if plan.box_window[name] == index
         ]
