@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import os
+import struct
 
 import anyio
 import pytest
 import torch
-from _support.roots import manifest_of
+from _support.roots import flip_byte, manifest_of
 from test_staging_cap import assert_equal, mixed_state
 
 from aiockpt import AsyncCheckpointManager
@@ -89,9 +91,11 @@ def test_a_capped_load_into_restores_bit_exact_and_stays_under_the_cap(tmp_path)
     anyio.run(main)
 
 
-def test_a_capped_load_that_fails_a_checksum_leaves_the_target_untouched(tmp_path) -> None:
-    """Every window is checked before the first is copied: a flipped byte in the last tensor
-    of the shard fails the load, naming it, and no target has changed."""
+@pytest.mark.parametrize("where", ["end of the shard", "middle of a tensor cut by windows"])
+def test_a_capped_load_that_fails_a_checksum_leaves_the_target_untouched(tmp_path, where) -> None:
+    """Every window is checked before the first is copied: a flipped byte fails the load,
+    naming its tensor, and no target has changed: in the shard's last tensor, or in the
+    middle of one whose bytes lie in several windows (checked by its running crc32c)."""
     state = mixed_state()
     root = str(tmp_path / "r")
 
@@ -100,14 +104,18 @@ def test_a_capped_load_that_fails_a_checksum_leaves_the_target_untouched(tmp_pat
             await (await mgr.save(1, state))
 
     anyio.run(save)
-    m = manifest_of(root, 1)
-    shard = m["shards"][0]
+    shard = manifest_of(root, 1)["shards"][0]
     path = os.path.join(root, fmt.step_dirname(1), shard["file"])
-    with open(path, "r+b") as f:
-        f.seek(shard["nbytes"] - 3)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    if where == "end of the shard":
+        offset, name = shard["nbytes"] - 3, ""
+    else:
+        with open(path, "rb") as f:  # the shard's own safetensors header
+            (n,) = struct.unpack("<Q", f.read(8))
+            a, b = json.loads(f.read(n))["model/w0"]["data_offsets"]
+        data_start = 8 + n
+        assert b - a > 3 * cap_of(root, 0.25) // 8  # more than a window: cut by two at least
+        offset, name = data_start + (a + b) // 2, "model/w0"
+    flip_byte(path, offset)
     into = zeroed(mixed_state())
 
     async def load() -> None:
@@ -115,7 +123,7 @@ def test_a_capped_load_that_fails_a_checksum_leaves_the_target_untouched(tmp_pat
             root, staging_memory=cap_of(root, 0.25), read_only=True
         ) as mgr:
             parts = record_parts(mgr)
-            with pytest.raises(CorruptCheckpointError, match="crc32c"):
+            with pytest.raises(CorruptCheckpointError, match=f"{name}.*crc32c"):
                 await mgr.load(1, into=into)
             assert [p for _, p in parts] == [None]  # it failed in the checking pass
             assert mgr._pool.busy == 0
@@ -301,3 +309,38 @@ def test_fsdp2_model_and_optimizer_load_in_windows(tmp_path) -> None:
         anyio.run(main)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("cap", [None, 0.25])
+def test_a_cancelled_load_into_gives_its_slab_back_only_once_the_daemon_is_done(
+    tmp_path, cap
+) -> None:
+    """The daemon fills a lent slab while the trainer waits: a load cancelled then still waits
+    for the daemon's answer before the slab can go to a save (which would copy into it while
+    the daemon still writes there)."""
+    state = {f"w{i}": torch.randn(4 * MiB) for i in range(16)}  # 256 MiB
+    root = str(tmp_path / "r")
+
+    async def main() -> None:
+        async with AsyncCheckpointManager(root, staging_memory=cap) as mgr:
+            await (await mgr.save(1, state))
+            answered: list[int] = []
+            loader = mgr._loader
+            real = loader._read
+
+            async def read(*args):
+                reply = await real(*args)
+                answered.append(1)
+                return reply
+
+            loader._read = read
+            with anyio.move_on_after(0.01) as scope:
+                await mgr.load(1, into=state)
+            assert scope.cancelled_caught
+            assert answered  # the request in flight was waited for
+            assert mgr._pool.busy == 0
+            loader._read = real
+            await (await mgr.save(2, state))
+            assert_equal(await mgr.load(2), state)
+
+    anyio.run(main)

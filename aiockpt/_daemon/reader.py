@@ -387,16 +387,8 @@ class Reader:
                 seg, plan.smap, whole, lo + x - base, lo + y - base, x - a, plan.where
             )
             read += y - x
-            for name, r in split if crcs is not None else ():
-                o, e = r.start - lo + base, r.end - lo + base
-                with seg.buf[max(o, a) - a : min(e, b) - a] as piece:
-                    crcs[name] = crc32c.crc32c(piece, crcs.get(name, 0))
-                if e <= b and crcs.pop(name) != r.crc32c:
-                    raise CorruptCheckpointError(
-                        f"{plan.where}: tensor {name!r} failed its crc32c check",
-                        path=plan.where,
-                        key=name,
-                    )
+            if crcs is not None:
+                self._check_split(seg, plan, split, lo, base, a, b, crcs)
         inside = [
             (name, dtype, box) for name, dtype, box in plan.boxes if plan.box_window[name] == index
         ]
@@ -406,6 +398,30 @@ class Reader:
             read += assembled.read_bytes if assembled else 0
         self._wait_checks()
         return read
+
+    @staticmethod
+    def _check_split(
+        seg: Segment,
+        plan: _Plan,
+        split: Tensors,
+        lo: int,
+        base: int,
+        a: int,
+        b: int,
+        crcs: dict[str, int],
+    ) -> None:
+        """Fold the bytes of each tensor of ``split`` that window [a, b) holds into its
+        running crc32c in ``crcs``; check a tensor's once its last bytes are in."""
+        for name, r in split:
+            o, e = r.start - lo + base, r.end - lo + base
+            with seg.buf[max(o, a) - a : min(e, b) - a] as piece:
+                crcs[name] = crc32c.crc32c(piece, crcs.get(name, 0))
+            if e <= b and crcs.pop(name) != r.crc32c:
+                raise CorruptCheckpointError(
+                    f"{plan.where}: tensor {name!r} failed its crc32c check",
+                    path=plan.where,
+                    key=name,
+                )
 
     def _assemble(
         self,

@@ -143,7 +143,7 @@ class Loader:
                 )
             slab = await self._pool.acquire(layout.file_size, layout.id)
         try:
-            reply = await self._read(
+            reply = await self._lending(
                 step,
                 SlabRef(slab.name, slab.size) if slab is not None else None,
                 wanted or None,
@@ -179,6 +179,15 @@ class Loader:
                 self._pool.release(slab.name)
         return reply, restored.value
 
+    async def _lending(self, *args: Any) -> LoadReply:
+        """``self._read(*args)``, waited for to the end even when cancelled: the daemon may be
+        filling a slab the trainer lent it, which must not go back to the pool (and to a
+        save's copy) before the daemon is done with it. The cancellation takes effect
+        once the answer is in."""
+        with anyio.CancelScope(shield=True):
+            reply = await self._read(*args)
+        return reply
+
     async def _load_windows(
         self,
         step: int | None,
@@ -204,14 +213,14 @@ class Loader:
             for slab in slabs:
                 self._pool.reuse_for_load(slab)
             first = SlabRef(slabs[0].name, slabs[0].size)
-            reply = await self._read(step, first, wanted or None, keys, required, window, None)
+            reply = await self._lending(step, first, wanted or None, keys, required, window, None)
             scope = keys if required else None
             plan = await anyio.to_thread.run_sync(WindowedRestore, reply, into, held, strict, scope)
             try:
                 for i, span in enumerate(reply.windows):
                     slab = slabs[i % 2]
                     ref = SlabRef(slab.name, slab.size)
-                    await self._read(reply.step, ref, wanted or None, keys, required, window, i)
+                    await self._lending(reply.step, ref, wanted or None, keys, required, window, i)
                     await anyio.to_thread.run_sync(plan.copy_window, slab.u8, span)
                 restored = await anyio.to_thread.run_sync(plan.finish)
             except BaseException:
