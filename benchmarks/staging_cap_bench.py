@@ -36,6 +36,7 @@ import time
 
 import anyio
 import torch
+from dedup_load_bench import drop_cache
 
 from aiockpt import AsyncCheckpointManager
 
@@ -110,7 +111,7 @@ async def run_cap(
         load_base = vm("VmRSS")
         rss_reset()
         for _ in range(repeat):
-            drop_cache()
+            DROPPED[0] = drop_cache() and DROPPED[0]
             t = time.perf_counter()
             await mgr.load(repeat, into={"model": state})
             loads.append(time.perf_counter() - t)
@@ -127,17 +128,8 @@ async def run_cap(
     }
 
 
-#: Whether the page cache could be dropped before the loads (root only).
+#: Whether the page cache could be dropped before every load (root only).
 DROPPED = [True]
-
-
-def drop_cache() -> None:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
-    except OSError:
-        DROPPED[0] = False
 
 
 def main() -> None:
