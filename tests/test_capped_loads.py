@@ -38,9 +38,9 @@ def record_parts(mgr) -> list:
     real = loader._read
     seen: list = []
 
-    async def read(*args):
-        seen.append(args[5:])
-        return await real(*args)
+    async def read(**fields):
+        seen.append((fields.get("window", 0), fields.get("part")))
+        return await real(**fields)
 
     loader._read = read
     return seen
@@ -328,8 +328,8 @@ def test_a_cancelled_load_into_gives_its_slab_back_only_once_the_daemon_is_done(
             loader = mgr._loader
             real = loader._read
 
-            async def read(*args):
-                reply = await real(*args)
+            async def read(**fields):
+                reply = await real(**fields)
                 answered.append(1)
                 return reply
 

@@ -144,6 +144,16 @@ def _wanted(
     return {name: records[name] for name in plain}, boxes
 
 
+def _bases(ranges: list[tuple[int, int, Tensors]]) -> tuple[list[int], int]:
+    """Where each range goes in a load's output (aligned to OUT_ALIGN), and where they end."""
+    bases, pos = [], 0
+    for lo, hi, _ in ranges:
+        pos = (pos + OUT_ALIGN - 1) // OUT_ALIGN * OUT_ALIGN
+        bases.append(pos)
+        pos += hi - lo
+    return bases, pos
+
+
 def _placed(
     ranges: list[tuple[int, int, Tensors]],
     bases: list[int],
@@ -161,17 +171,53 @@ def _placed(
 
 
 class _Plan(NamedTuple):
-    """A load's output: its plain ranges (the shard's bytes [lo, hi) at ``bases``), its
-    distributed boxes at ``out_at``, and where it reads them."""
+    """What a load of ``step`` reads, and where it puts it in its output of ``size`` bytes:
+    its plain ranges (the shard's bytes [lo, hi) at ``bases``), then its distributed boxes at
+    ``out_at``."""
 
+    m: fmt.Manifest
+    step: int
+    tree: Any
+    left_out: tuple[str, ...]
     ranges: list[tuple[int, int, Tensors]]
     bases: list[int]
     boxes: list[tuple[str, str, Chunk]]
     out_at: dict[str, int]
-    #: The window each box is assembled in.
-    box_window: dict[str, int]
+    size: int
     smap: ShardMap
     where: str
+    url: str
+
+    def reply(self, **fields: Any) -> LoadReply:
+        """The reply to this load, with ``fields`` (where the bytes are, and what was read)."""
+        m = self.m
+        return LoadReply(
+            step=self.step,
+            size=self.size,
+            metrics=m.metrics,
+            metadata=m.metadata,
+            created_at=m.created_at,
+            nbytes=m.nbytes,
+            url=self.url,
+            left_out=self.left_out,
+            **fields,
+        )
+
+
+def _check_split(
+    seg: Segment, where: str, split: Tensors, shift: int, a: int, b: int, crcs: dict[str, int]
+) -> None:
+    """Fold the bytes of each tensor of ``split`` that window [a, b) holds (in ``seg`` from
+    its start; a file offset minus ``shift`` is its place there) into its running crc32c in
+    ``crcs``; check a tensor's once its last bytes are in."""
+    for name, r in split:
+        lo, hi = max(r.start - shift, 0), min(r.end - shift, b - a)
+        with seg.buf[lo:hi] as piece:
+            crcs[name] = crc32c.crc32c(piece, crcs.get(name, 0))
+        if r.end - shift <= b - a and crcs.pop(name) != r.crc32c:
+            raise CorruptCheckpointError(
+                f"{where}: tensor {name!r} failed its crc32c check", path=where, key=name
+            )
 
 
 def cut_output(
@@ -278,44 +324,15 @@ class Reader:
             tree = _selected(tree, select, select_required, left_out)
         records, boxes = _wanted(m, tree, shard, wanted, select is not None)
         ranges = contiguous(records, where)
-        bases, pos = [], 0
-        for lo, hi, _ in ranges:
-            pos = (pos + OUT_ALIGN - 1) // OUT_ALIGN * OUT_ALIGN
-            bases.append(pos)
-            pos += hi - lo
+        bases, pos = _bases(ranges)
         out_at, size = out_offsets(pos, boxes)
+        url = self.catalog.where(fmt.step_dirname(step))
+        plan = _Plan(
+            m, step, tree, tuple(left_out), ranges, bases, boxes, out_at, size, smap, where, url
+        )
         if window:
             assert slab is not None
-            windows = cut_output(size, window, boxes, out_at)
-            seg = self.slabs.get(slab.name, slab.size)
-            starts = [w[0] for w in windows]
-            box_window = {
-                name: bisect.bisect_right(starts, out_at[name]) - 1 for name, _, _ in boxes
-            }
-            plan = _Plan(ranges, bases, boxes, out_at, box_window, smap, where)
-            todo = range(len(windows)) if part is None else [part]
-            crcs: dict[str, int] | None = {} if part is None else None
-            read = 0
-            try:
-                for i in todo:
-                    read += self._fill(m, step, seg, plan, windows, i, crcs)
-            finally:
-                self._wait_checks(quiet=True)
-            return LoadReply(
-                step=step,
-                segment=None,
-                size=size,
-                tensors=_placed(ranges, bases, boxes, out_at) if part is None else {},
-                tree=tree if part is None else None,
-                metrics=m.metrics,
-                metadata=m.metadata,
-                created_at=m.created_at,
-                nbytes=m.nbytes,
-                url=self.catalog.where(fmt.step_dirname(step)),
-                read_nbytes=read,
-                left_out=tuple(left_out),
-                windows=windows,
-            )
+            return self._load_windowed(plan, slab, window, part)
         pooled = slab is not None and slab.size >= size
         if slab is not None and pooled:
             seg = self.slabs.get(slab.name, slab.size)
@@ -336,31 +353,49 @@ class Reader:
             raise
         if not pooled:
             seg.close()  # the trainer maps it and takes it over
-        tensors = _placed(ranges, bases, boxes, out_at)
         read = sum(hi - lo for lo, hi, _ in ranges)
-        return LoadReply(
-            step=step,
+        return plan.reply(
             segment=None if pooled else seg.name,
-            size=size,
-            tensors=tensors,
+            tensors=_placed(ranges, bases, boxes, out_at),
             tree=tree,
-            metrics=m.metrics,
-            metadata=m.metadata,
-            created_at=m.created_at,
-            nbytes=m.nbytes,
-            url=self.catalog.where(fmt.step_dirname(step)),
             read_nbytes=read + (assembled.read_bytes if assembled else 0),
-            left_out=tuple(left_out),
+        )
+
+    def _load_windowed(
+        self, plan: _Plan, slab: SlabRef, window: int, part: int | None
+    ) -> LoadReply:
+        """A load through ``slab`` in windows of at most ``window`` bytes (see load): all of
+        them read and checked when ``part`` is None, else window ``part`` read."""
+        windows = cut_output(plan.size, window, plan.boxes, plan.out_at)
+        seg = self.slabs.get(slab.name, slab.size)
+        starts = [w[0] for w in windows]
+        box_window = {
+            name: bisect.bisect_right(starts, plan.out_at[name]) - 1 for name, _, _ in plan.boxes
+        }
+        todo = range(len(windows)) if part is None else [part]
+        crcs: dict[str, int] | None = {} if part is None else None
+        read = 0
+        try:
+            for i in todo:
+                read += self._fill(seg, plan, windows, i, box_window, crcs)
+        finally:
+            self._wait_checks(quiet=True)
+        whole = part is None
+        return plan.reply(
+            segment=None,
+            tensors=_placed(plan.ranges, plan.bases, plan.boxes, plan.out_at) if whole else {},
+            tree=plan.tree if whole else None,
+            read_nbytes=read,
+            windows=windows,
         )
 
     def _fill(
         self,
-        m: fmt.Manifest,
-        step: int,
         seg: Segment,
         plan: _Plan,
         windows: tuple[tuple[int, int], ...],
         index: int,
+        box_window: dict[str, int],
         crcs: dict[str, int] | None,
     ) -> int:
         """Read window ``index`` of a windowed load's output into ``seg`` from its start and
@@ -388,40 +423,16 @@ class Reader:
             )
             read += y - x
             if crcs is not None:
-                self._check_split(seg, plan, split, lo, base, a, b, crcs)
+                _check_split(seg, plan.where, split, lo - base + a, a, b, crcs)
         inside = [
-            (name, dtype, box) for name, dtype, box in plan.boxes if plan.box_window[name] == index
+            (name, dtype, box) for name, dtype, box in plan.boxes if box_window[name] == index
         ]
         if inside:
             shifted = {name: plan.out_at[name] - a for name, _, _ in inside}
-            assembled = self._assemble(m, step, inside, shifted, seg)
+            assembled = self._assemble(plan.m, plan.step, inside, shifted, seg)
             read += assembled.read_bytes if assembled else 0
         self._wait_checks()
         return read
-
-    @staticmethod
-    def _check_split(
-        seg: Segment,
-        plan: _Plan,
-        split: Tensors,
-        lo: int,
-        base: int,
-        a: int,
-        b: int,
-        crcs: dict[str, int],
-    ) -> None:
-        """Fold the bytes of each tensor of ``split`` that window [a, b) holds into its
-        running crc32c in ``crcs``; check a tensor's once its last bytes are in."""
-        for name, r in split:
-            o, e = r.start - lo + base, r.end - lo + base
-            with seg.buf[max(o, a) - a : min(e, b) - a] as piece:
-                crcs[name] = crc32c.crc32c(piece, crcs.get(name, 0))
-            if e <= b and crcs.pop(name) != r.crc32c:
-                raise CorruptCheckpointError(
-                    f"{plan.where}: tensor {name!r} failed its crc32c check",
-                    path=plan.where,
-                    key=name,
-                )
 
     def _assemble(
         self,

@@ -36,23 +36,12 @@ from .state import (
     unflatten,
 )
 
-#: Asks the daemon for a load's bytes: ``read(step, slab, wanted, keys)``, into the lent slab
-#: when one is given and large enough, else a fresh segment; ``wanted`` says which box of each
-#: distributed tensor restored into a DTensor is wanted (the others are read whole); ``keys``
-#: the key paths to read (None: all), and whether each must name something.
-#: With ``window`` and ``part``, a load in windows (see LoadReq).
-Read = Callable[
-    [
-        int | None,
-        SlabRef | None,
-        dict[str, Wanted] | None,
-        tuple[str, ...] | None,
-        bool,
-        int,
-        int | None,
-    ],
-    Awaitable[LoadReply],
-]
+#: Asks the daemon for this rank's load's bytes: the fields of a LoadReq but its rank and
+#: world size (``step``, ``slab``: a slab lent to read into when large enough, else a fresh
+#: segment; ``wanted``: the box of each distributed tensor restored into a DTensor, the others
+#: read whole; ``select``, ``select_required``: the key paths to read, None for all;
+#: ``window``, ``part``: a load in windows).
+Read = Callable[..., Awaitable[LoadReply]]
 
 
 class Loader:
@@ -82,7 +71,7 @@ class Loader:
             if step is not None:
                 _check_step(step)
             if into is None:
-                reply = await self._read(step, None, None, keys, True, 0, None)
+                reply = await self._read(step=step, select=keys)
                 with gc_paused():  # 20k fresh views and containers: see gc_paused
                     result = unflatten(reply.tree, map_loaded(reply))
             else:
@@ -144,13 +133,11 @@ class Loader:
             slab = await self._pool.acquire(layout.file_size, layout.id)
         try:
             reply = await self._lending(
-                step,
-                SlabRef(slab.name, slab.size) if slab is not None else None,
-                wanted or None,
-                keys,
-                required,
-                0,
-                None,
+                step=step,
+                slab=SlabRef(slab.name, slab.size) if slab is not None else None,
+                wanted=wanted or None,
+                select=keys,
+                select_required=required,
             )
             if reply.segment is None:
                 assert slab is not None
@@ -179,13 +166,13 @@ class Loader:
                 self._pool.release(slab.name)
         return reply, restored.value
 
-    async def _lending(self, *args: Any) -> LoadReply:
-        """``self._read(*args)``, waited for to the end even when cancelled: the daemon may be
+    async def _lending(self, **fields: Any) -> LoadReply:
+        """``self._read(**fields)``, waited for to the end even when cancelled: the daemon may be
         filling a slab the trainer lent it, which must not go back to the pool (and to a
         save's copy) before the daemon is done with it. The cancellation takes effect
         once the answer is in."""
         with anyio.CancelScope(shield=True):
-            reply = await self._read(*args)
+            reply = await self._read(**fields)
         return reply
 
     async def _load_windows(
@@ -212,15 +199,16 @@ class Loader:
         try:
             for slab in slabs:
                 self._pool.reuse_for_load(slab)
+            ask = {"wanted": wanted or None, "select": keys, "select_required": required}
             first = SlabRef(slabs[0].name, slabs[0].size)
-            reply = await self._lending(step, first, wanted or None, keys, required, window, None)
+            reply = await self._lending(step=step, slab=first, window=window, **ask)
             scope = keys if required else None
             plan = await anyio.to_thread.run_sync(WindowedRestore, reply, into, held, strict, scope)
             try:
                 for i, span in enumerate(reply.windows):
                     slab = slabs[i % 2]
                     ref = SlabRef(slab.name, slab.size)
-                    await self._lending(reply.step, ref, wanted or None, keys, required, window, i)
+                    await self._lending(step=reply.step, slab=ref, window=window, part=i, **ask)
                     await anyio.to_thread.run_sync(plan.copy_window, slab.u8, span)
                 restored = await anyio.to_thread.run_sync(plan.finish)
             except BaseException:

@@ -29,9 +29,7 @@ from .._core.protocol import (
     LoadReply,
     LoadReq,
     RecordsReq,
-    SlabRef,
     StepsReq,
-    Wanted,
 )
 from .._core.shm import sweep_orphans
 from ..errors import DaemonError, ManagerClosedError, ReadOnlyError
@@ -271,29 +269,13 @@ class AsyncCheckpointManager:
     def _emit(self, name: str, **fields: Any) -> None:
         self.events.emit(name, **fields)
 
-    async def _read(
-        self,
-        step: int | None,
-        slab: SlabRef | None,
-        wanted: dict[str, Wanted] | None,
-        keys: tuple[str, ...] | None,
-        required: bool,
-        window: int = 0,
-        part: int | None = None,
-    ) -> LoadReply:
+    async def _read(self, **fields: Any) -> LoadReply:
+        """This rank's :class:`LoadReq` with ``fields``, answered by the live daemon."""
         d = await self._daemons.live()
-        return await d.request(
-            LoadReq,
-            step=step,
-            rank=self.rank,
-            world_size=self.world_size,
-            slab=slab,
-            wanted=wanted,
-            select=keys,
-            select_required=required,
-            window=window,
-            part=part,
+        reply: LoadReply = await d.request(
+            LoadReq, rank=self.rank, world_size=self.world_size, **fields
         )
+        return reply
 
     # ----------------------------------------------------------------- the API
 
