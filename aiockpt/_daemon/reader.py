@@ -204,6 +204,21 @@ class _Plan(NamedTuple):
         )
 
 
+class _Windowed(NamedTuple):
+    """A load's plan cut into windows (see cut_output), and the window each box is in."""
+
+    plan: _Plan
+    windows: tuple[tuple[int, int], ...]
+    box_window: dict[str, int]
+
+    @classmethod
+    def of(cls, plan: _Plan, window: int) -> _Windowed:
+        windows = cut_output(plan.size, window, plan.boxes, plan.out_at)
+        starts = [w[0] for w in windows]
+        at = {name: bisect.bisect_right(starts, plan.out_at[name]) - 1 for name, _, _ in plan.boxes}
+        return cls(plan, windows, at)
+
+
 def _check_split(
     seg: Segment, where: str, split: Tensors, shift: int, a: int, b: int, crcs: dict[str, int]
 ) -> None:
@@ -279,6 +294,10 @@ class Reader:
         self._checks: list[Future[None]] = []
         #: The manifest (as the catalog keeps it) and rank whose tree was checked last.
         self._tree_checked: tuple[fmt.Manifest, int] | None = None
+        #: The last load in windows checked whole, by its request's fields: the windows the
+        #: trainer then asks for one at a time are read by the same plan, not planned again
+        #: (listing the steps, reading the manifest, checking the shard, for each window).
+        self._windowed: tuple[tuple[Any, ...], _Windowed] | None = None
 
     @no_gc
     def load(
@@ -305,6 +324,9 @@ class Reader:
         (see :func:`cut_output`): with ``part`` None every window is read and checked and
         the reply says where each tensor lies in the whole and what the windows are; with
         ``part`` i, window i is read into the slab, at its start."""
+        key = (step, rank, world_size, wanted, select, select_required, window)
+        if part is not None and self._windowed is not None and self._windowed[0] == key:
+            return self._load_windowed(self._windowed[1], slab, part)
         step = self._committed(step)
         # Lazily: a rank checks the records it reads, not every rank's (200k at 1024 ranks).
         m = self.catalog.read_manifest(step, lazy=True)
@@ -315,10 +337,7 @@ class Reader:
         smap = self.catalog.shard_map(step, m.shard_of(rank))
         where = self.catalog.where(path)
         tree = m.trees[rank]
-        checked = self._tree_checked
-        if checked is None or checked[0] is not m or checked[1] != rank:
-            fmt.check_tree(tree, set(shard), path=where, dtensor_names=set(m.dtensors))
-            self._tree_checked = (m, rank)  # a manifest the catalog kept is not checked again
+        self._check_tree(m, rank, shard, where)
         left_out: list[str] = []
         if select is not None:
             tree = _selected(tree, select, select_required, left_out)
@@ -331,8 +350,9 @@ class Reader:
             m, step, tree, tuple(left_out), ranges, bases, boxes, out_at, size, smap, where, url
         )
         if window:
-            assert slab is not None
-            return self._load_windowed(plan, slab, window, part)
+            windowed = _Windowed.of(plan, window)
+            self._windowed = ((step, *key[1:]), windowed)
+            return self._load_windowed(windowed, slab, part)
         pooled = slab is not None and slab.size >= size
         if slab is not None and pooled:
             seg = self.slabs.get(slab.name, slab.size)
@@ -361,23 +381,28 @@ class Reader:
             read_nbytes=read + (assembled.read_bytes if assembled else 0),
         )
 
+    def _check_tree(self, m: fmt.Manifest, rank: int, shard: fmt.ShardTensors, where: str) -> None:
+        """Check ``rank``'s tree of ``m`` against its shard, unless it was the last checked (a
+        manifest the catalog kept is not checked again)."""
+        checked = self._tree_checked
+        if checked is None or checked[0] is not m or checked[1] != rank:
+            fmt.check_tree(m.trees[rank], set(shard), path=where, dtensor_names=set(m.dtensors))
+            self._tree_checked = (m, rank)
+
     def _load_windowed(
-        self, plan: _Plan, slab: SlabRef, window: int, part: int | None
+        self, windowed: _Windowed, slab: SlabRef | None, part: int | None
     ) -> LoadReply:
-        """A load through ``slab`` in windows of at most ``window`` bytes (see load): all of
-        them read and checked when ``part`` is None, else window ``part`` read."""
-        windows = cut_output(plan.size, window, plan.boxes, plan.out_at)
+        """A load through ``slab`` in windows (see load): all of them read and checked when
+        ``part`` is None, else window ``part`` read."""
+        assert slab is not None
+        plan, windows = windowed.plan, windowed.windows
         seg = self.slabs.get(slab.name, slab.size)
-        starts = [w[0] for w in windows]
-        box_window = {
-            name: bisect.bisect_right(starts, plan.out_at[name]) - 1 for name, _, _ in plan.boxes
-        }
         todo = range(len(windows)) if part is None else [part]
         crcs: dict[str, int] | None = {} if part is None else None
         read = 0
         try:
             for i in todo:
-                read += self._fill(seg, plan, windows, i, box_window, crcs)
+                read += self._fill(seg, plan, windows, i, windowed.box_window, crcs)
         finally:
             self._wait_checks(quiet=True)
         whole = part is None
