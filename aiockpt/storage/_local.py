@@ -26,6 +26,8 @@ _READ_PIECE = 16 * 1024 * 1024
 _READERS = 4
 #: put_if_absent's temporary name is unique per process: its calls in the process take turns.
 _CREATING = threading.Lock()
+#: Taken to start a storage's reader threads (see LocalStorage._readers) once.
+_STARTING = threading.Lock()
 
 
 def _address(buf: memoryview) -> int | None:
@@ -273,7 +275,7 @@ class LocalStorage:
         return len(body)
 
     def _readers(self) -> concurrent.futures.ThreadPoolExecutor:
-        with _CREATING:
+        with _STARTING:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(
                     _READERS, thread_name_prefix="aiockpt-read"
