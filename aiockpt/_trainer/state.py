@@ -125,14 +125,20 @@ class Flattener:
         self._retired: list[int] = []
 
     def flatten(self, state: Any, *, trust: bool = True, remember: bool = True) -> Flat:
-        """Flatten ``state``; with ``remember`` False the cache is consulted but left as it
-        was (a load looking up the layout of the state it restores into)."""
+        """Flatten ``state``; with ``remember`` False (a load looking up the layout of the
+        state it restores into) the mappings met for the first time are added to the cache
+        and none is dropped: a resumed run's first save then finds what its load learned
+        (and the layout the load made: at 20k tensors 0.2-0.4 s), and a load into another
+        state costs the training loop's saves nothing."""
         met: dict[str, Fragment] = {}
         flat = _Walk(self._fragments if trust else {}, met).flatten(state)
         if remember:
             gone = [f.id for path, f in self._fragments.items() if met.get(path) is not f]
             self._retired.extend(gone)
             self._fragments = met
+        else:
+            for path, frag in met.items():
+                self._fragments.setdefault(path, frag)
         return flat
 
     def take_retired(self) -> list[int]:
