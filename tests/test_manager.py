@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from aiockpt import AsyncCheckpointManager, CheckpointInfo, SaveHandle
+from aiockpt._core import format as fmt
 from aiockpt.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -501,6 +502,47 @@ async def test_concurrent_saves_and_loads(root):
         await mgr.wait()
         assert await mgr.steps() == [0, 1, 2, 3]
     assert all(torch.equal(r["w"], state["w"]) for r in results.values())
+
+
+@pytest.mark.parametrize("skip_unchanged", [False, True])
+async def test_a_save_after_load_into_writes_a_whole_shard(root, skip_unchanged):
+    """A load(into=) reads over the slab's header and padding; the save that reuses the slab
+    (and its views) writes them again, and copies every tensor again even where nothing
+    changed since the slab's last save."""
+    import safetensors.torch
+
+    state = {"a": torch.arange(5, dtype=torch.int8), "b": torch.arange(3.0), "c": torch.ones(7)}
+    async with AsyncCheckpointManager(root, skip_unchanged=skip_unchanged) as mgr:
+        await (await mgr.save(1, state))
+        first = {k: v.clone() for k, v in state.items()}
+        for t in state.values():
+            t.add_(1)
+        await (await mgr.save(2, state))
+        await mgr.load(1, into=state)  # through the slab step 2 was staged in
+        assert mgr._pool.busy == 0
+        await (await mgr.save(3, state))
+    shard = os.path.join(root, fmt.step_dirname(3), fmt.shard_filename(0))
+    on_disk = safetensors.torch.load_file(shard)  # the header and padding are whole
+    assert set(on_disk) == set(state)
+    assert all(torch.equal(on_disk[k], first[k]) for k in state)
+    async with AsyncCheckpointManager(root, read_only=True) as mgr:
+        loaded = await mgr.load(3)
+    assert all(torch.equal(loaded[k], first[k]) for k in state)
+
+
+async def test_skip_unchanged_copies_again_what_a_load_read_over(root):
+    """A load into part of the state reads over the slab where a tensor it does not restore
+    lies; that tensor is unchanged, yet the next save must copy it again."""
+    state = {"small": torch.arange(10.0), "big": torch.arange(100_000.0)}
+    small = state["small"].clone()
+    async with AsyncCheckpointManager(root, skip_unchanged=True) as mgr:
+        await (await mgr.save(1, state))
+        await (await mgr.save(2, state))
+        await mgr.load(1, into={"big": state["big"]}, strict=False)
+        await (await mgr.save(3, state))
+        loaded = await mgr.load(3)
+    assert torch.equal(loaded["small"], small)
+    assert torch.equal(loaded["big"], state["big"])
 
 
 async def test_load_into_reads_through_the_staging_slab_without_aliasing_it(root):

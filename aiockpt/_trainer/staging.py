@@ -22,8 +22,9 @@ import torch
 
 from .._core import format as fmt
 from .._core import windows as wn
+from .._core.gc import no_gc
 from .._core.protocol import DTensorEntry, LayoutMsg
-from .._core.shm import POPULATES, Segment
+from .._core.shm import Segment
 from .state import ST_TO_TORCH, TORCH_TO_ST, Flat, StaleFlat
 
 _layout_ids = itertools.count(1)
@@ -92,6 +93,7 @@ class LayoutCache:
         return ids
 
 
+@no_gc  # 20k specs and a 2 MB JSON header: the collector tripled its time
 def make_layout(flat: Flat) -> Layout:
     """The shard layout of ``flat``'s tensors as they are now.
 
@@ -148,9 +150,15 @@ class Slab:
     """A pooled segment, with views of it cached for the last layout copied in."""
 
     def __init__(self, size: int) -> None:
-        self.seg = Segment.create(size)
+        # Touched from here rather than mapped in by MAP_POPULATE: measured at 1 GiB on a
+        # virtual machine, the kernel's populate took 0.59-0.66 s, writing every page from
+        # the process 0.32-0.38 s (resume_bench.py). The first load or save of a process
+        # pays this.
+        self.seg = Segment.create(size, populate=False)
         self.u8 = torch.frombuffer(self.seg.buf, dtype=torch.uint8)
         self.layout_id = 0
+        #: Whether a load has read over the header and padding since they were written.
+        self.loaded_over = False
         self.views: list[torch.Tensor] = []
         self.plan: tuple[list[Piece], list[Piece]] = ([], [])
         self.pinned = False
@@ -160,8 +168,7 @@ class Slab:
         #: the storages, held so that their memory cannot be reused by another tensor.
         self.seen: list[tuple[int, int, int, tuple[int, ...]]] | None = None
         self.held: list[torch.UntypedStorage] = []
-        if not POPULATES:  # else the segment's pages are already mapped in (MAP_POPULATE)
-            self.u8.zero_()  # fault every page in now, not during a save's copy
+        self.u8.zero_()  # fault every page in now, not during a save's copy
 
     @property
     def name(self) -> str:
@@ -174,23 +181,27 @@ class Slab:
         return self.seg.size
 
     def prepare(self, layout: Layout) -> list[torch.Tensor]:
-        """Destination views in flatten order; writes the header when the layout changes."""
+        """Destination views in flatten order; writes the header when the layout changes, or
+        when a load has read over it."""
         if self.layout_id != layout.id:
             self.views = []
-            self.u8[: layout.data_start].copy_(
-                torch.frombuffer(bytearray(layout.header), dtype=torch.uint8)
-            )
             base = layout.data_start
             by_file = [
                 self.u8[base + s.start : base + s.end].view(ST_TO_TORCH[s.dtype]).view(s.shape)
                 for s in layout.specs
             ]
-            for s in layout.specs:
-                if s.name == fmt.PAD_NAME:
-                    self.u8[base + s.start : base + s.end].zero_()
             self.views = [by_file[j] for j in layout.order]
             self.plan = _plan(layout, self.u8[base:])
             self.layout_id = layout.id
+            self.loaded_over = True
+        if self.loaded_over:
+            self.u8[: layout.data_start].copy_(
+                torch.frombuffer(bytearray(layout.header), dtype=torch.uint8)
+            )
+            for s in layout.specs:
+                if s.name == fmt.PAD_NAME:
+                    self.u8[layout.data_start + s.start : layout.data_start + s.end].zero_()
+            self.loaded_over = False
         return self.views
 
     def copy_in(
@@ -672,11 +683,12 @@ class SlabPool:
         return slab
 
     def reuse_for_load(self, slab: Slab) -> None:
-        """A load read its bytes over this slab: its header and cached views are stale."""
-        slab.layout_id = 0
-        slab.views = []
+        """A load reads its bytes over this slab: the next save writes the header and padding
+        again, and copies every tensor (the slab holds no save's copy now). Its views stay:
+        they are where this layout's tensors lie whatever the bytes (at 20k tensors, making
+        them again took 0.1 s of a resumed run's first save)."""
+        slab.loaded_over = True
         slab.seen, slab.held = None, []
-        slab.plan = ([], [])
 
     def release(self, name: str) -> None:
         """Slab ``name`` may be filled again (unknown or already free: nothing happens)."""
