@@ -4,12 +4,13 @@ the checkpoint and the target must hold the same keys."""
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
 
 from aiockpt import AsyncCheckpointManager
-from aiockpt.errors import LoadMismatchError
+from aiockpt.errors import CorruptCheckpointError, LoadMismatchError
 
 pytestmark = pytest.mark.anyio
 
@@ -126,3 +127,65 @@ async def test_strict_false_restores_what_matches_and_logs_the_rest(mgr, caplog)
 async def test_strict_must_be_a_bool(mgr):
     with pytest.raises(TypeError, match="strict must be a bool"):
         await mgr.load(1, into=fresh(), strict="no")
+
+
+# ------------------------------------------------- the restore planned while the daemon reads
+
+
+def flip_last_byte(url: str) -> None:
+    with open(os.path.join(url, "shard_r00000.safetensors"), "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+async def test_a_corrupt_shard_leaves_the_target_untouched(root):
+    """The daemon answers with where the tensors will lie before it reads them, and the
+    trainer plans the restore meanwhile: a checksum failing in that read still changes
+    nothing, and the slab comes back."""
+    async with AsyncCheckpointManager(root) as mgr:
+        info = await (await mgr.save(1, saved_state()))
+        flip_last_byte(info.url)
+        target = fresh()
+        before = snapshot(target)
+        with pytest.raises(CorruptCheckpointError, match="failed its crc32c check"):
+            await mgr.load(1, into=target)
+        assert_untouched(target, before)
+        assert mgr._pool.busy == 0
+        # The daemon is left with nothing of that load: the next ones go as usual.
+        await (await mgr.save(2, saved_state()))
+        await mgr.load(2, into=target)
+    assert torch.equal(target["w"], torch.ones(3))
+    assert target["step"] == 5
+
+
+async def test_a_mismatch_found_while_the_daemon_reads_is_raised_once_it_is_done(root):
+    async with AsyncCheckpointManager(root) as mgr:
+        await (await mgr.save(1, saved_state()))
+        target = fresh(head_rows=3)
+        before = snapshot(target)
+        with pytest.raises(LoadMismatchError, match="head"):
+            await mgr.load(1, into=target)
+        assert_untouched(target, before)
+        assert mgr._pool.busy == 0
+        ok = fresh()
+        await mgr.load(1, into=ok)
+        assert ok["step"] == 5
+        loaded = await mgr.load(1)
+        assert torch.equal(loaded["w"], torch.ones(3))
+
+
+def test_collecting_a_load_never_answered_early_is_an_error(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from aiockpt._core.catalog import Catalog
+    from aiockpt._daemon.reader import Reader
+    from aiockpt._daemon.shared import Slabs
+    from aiockpt.errors import CheckpointError
+    from aiockpt.storage import open_storage
+
+    with ThreadPoolExecutor(1) as pool:
+        reader = Reader(Catalog(open_storage(str(tmp_path))), Slabs(), pool)
+        with pytest.raises(CheckpointError, match="no load named 'x' was answered early"):
+            reader.load(None, 0, collect="x")

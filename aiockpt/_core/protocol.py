@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: Bumped on any change to these messages; checked by both ends in the handshake.
-PROTOCOL = 8
+PROTOCOL = 9
 
 #: How a loaded tensor lies in shared memory: (safetensors dtype, shape, byte offset).
 TensorAt = tuple[str, tuple[int, ...], int]
@@ -253,6 +253,13 @@ class LoadReq(ReadReq):
     #: ``tree`` are then empty).
     window: int = 0
     part: int | None = None
+    #: A name for this load (``load.start``'s uuid): with a slab large enough, the reply says
+    #: where each tensor will lie before a byte is read (``LoadReply.pending``) and the daemon
+    #: reads them right after, so the trainer plans its restore meanwhile; a LoadReq with
+    #: ``collect`` set to the same name then answers once they are read and verified, or
+    #: raises what failed (its reply's ``tensors`` and ``tree`` are empty).
+    early: str | None = None
+    collect: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,6 +283,8 @@ class LoadReply:
     left_out: tuple[str, ...] = ()
     #: A load in windows: each window's byte range of the whole load.
     windows: tuple[tuple[int, int], ...] = ()
+    #: Answered early (see LoadReq.early): the bytes are still to be read.
+    pending: bool = False
 
 
 @dataclass(frozen=True, slots=True)

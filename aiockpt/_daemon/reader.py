@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import difflib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -188,6 +188,10 @@ class _Plan(NamedTuple):
     where: str
     url: str
 
+    def placed(self) -> dict[str, TensorAt]:
+        """Where each tensor this load reads lies in its output."""
+        return _placed(self.ranges, self.bases, self.boxes, self.out_at)
+
     def reply(self, **fields: Any) -> LoadReply:
         """The reply to this load, with ``fields`` (where the bytes are, and what was read)."""
         m = self.m
@@ -276,9 +280,80 @@ def cut_output(
     return tuple(cut) or ((0, 0),)
 
 
+class _Early:
+    """The loads answered before their bytes are read (see LoadReq.early), by name: their
+    plan and segment until read, then their plan, the bytes read and what failed, until the
+    trainer collects them. The reader thread reads them once their answers are sent (see
+    Daemon.read_loop): the trainer plans its restore meanwhile (at 20k tensors the reply's
+    decoding, the views and the walk of the target, 0.1 s no longer after the read)."""
+
+    def __init__(self, read: Callable[[_Plan, Segment], int]) -> None:
+        self._read = read
+        self._pending: dict[str, tuple[_Plan, Segment]] = {}
+        self._outcomes: dict[str, tuple[_Plan, int, BaseException | None]] = {}
+
+    def answered(self, name: str, plan: _Plan, seg: Segment) -> None:
+        self._pending[name] = (plan, seg)
+
+    def read(self) -> None:
+        """Read the loads answered, keeping how each went."""
+        while self._pending:
+            name, (plan, seg) = self._pending.popitem()
+            try:
+                self._outcomes[name] = (plan, self._read(plan, seg), None)
+            except BaseException as e:  # the trainer hears of it when it collects
+                self._outcomes[name] = (plan, 0, e)
+
+    def collect(self, name: str) -> LoadReply:
+        """The end of load ``name``: its bytes are in, or the error."""
+        outcome = self._outcomes.pop(name, None)
+        if outcome is None:
+            raise CheckpointError(
+                f"no load named {name!r} was answered early here (was the daemon restarted?)"
+            )
+        plan, read, error = outcome
+        if error is not None:
+            raise error
+        return plan.reply(segment=None, tensors={}, tree=None, read_nbytes=read)
+
+
 def _ranges(steps: list[int]) -> str:
     shown = ", ".join(map(str, steps[-10:]))
     return shown if len(steps) <= 10 else f"…, {shown}"
+
+
+def committed_step(catalog: Catalog, step: int | None) -> int:
+    """``step``, or the latest when None, once it is known to be committed."""
+    steps = catalog.committed_steps()
+    if not steps:
+        raise CheckpointNotFoundError(f"no committed checkpoint in {catalog.storage.url}")
+    if step is None:
+        return steps[-1]
+    if step not in steps:
+        raise CheckpointNotFoundError(
+            f"step {step} is not a committed checkpoint in {catalog.storage.url} (committed: "
+            f"{_ranges(steps)})"
+        )
+    return step
+
+
+def shard_of(
+    catalog: Catalog, m: fmt.Manifest, step: int, rank: int
+) -> tuple[str, fmt.ShardTensors]:
+    """The path of ``rank``'s shard of ``step`` and its tensors, once the shard is there at
+    the size the manifest says (a claimed size is never trusted before it is checked)."""
+    shard = m.shard_of(rank)
+    path = f"{fmt.step_dirname(step)}/{shard.file}"
+    where = catalog.where(path)
+    if not catalog.storage.exists(path):
+        raise CorruptCheckpointError(f"{where}: the shard is missing", path=where)
+    actual = catalog.storage.size(path)
+    if actual != shard.file_size:
+        raise CorruptCheckpointError(
+            f"{where}: {actual} bytes on storage, the manifest says {shard.file_size}",
+            path=where,
+        )
+    return path, m.tensors[shard.file]
 
 
 class Reader:
@@ -298,6 +373,7 @@ class Reader:
         #: trainer then asks for one at a time are read by the same plan, not planned again
         #: (listing the steps, reading the manifest, checking the shard, for each window).
         self._windowed: tuple[tuple[Any, ...], _Windowed] | None = None
+        self.early = _Early(self.read_all)
 
     @no_gc
     def load(
@@ -312,6 +388,8 @@ class Reader:
         select_required: bool = True,
         window: int = 0,
         part: int | None = None,
+        early: str | None = None,
+        collect: str | None = None,
     ) -> LoadReply:
         """Read and verify a rank's tensors of ``step`` (the latest when None) into shared
         memory: into the trainer's ``slab`` when given and large enough, else into a new
@@ -323,17 +401,64 @@ class Reader:
         With ``window`` (bytes), the load's bytes pass through ``slab`` a window at a time
         (see :func:`cut_output`): with ``part`` None every window is read and checked and
         the reply says where each tensor lies in the whole and what the windows are; with
-        ``part`` i, window i is read into the slab, at its start."""
+        ``part`` i, window i is read into the slab, at its start.
+
+        With ``early`` (a name) and a slab large enough, the reply comes before the bytes
+        are read (see :class:`_Early`); ``collect`` with that name answers once they
+        are in."""
+        if collect is not None:
+            return self.early.collect(collect)
         key = (step, rank, world_size, wanted, select, select_required, window)
         if part is not None and self._windowed is not None and self._windowed[0] == key:
             return self._load_windowed(self._windowed[1], slab, part)
-        step = self._committed(step)
+        plan = self._plan(step, rank, world_size, wanted, select, select_required)
+        if window:
+            windowed = _Windowed.of(plan, window)
+            self._windowed = ((plan.step, *key[1:]), windowed)
+            return self._load_windowed(windowed, slab, part)
+        pooled = slab is not None and slab.size >= plan.size
+        if slab is not None and pooled:
+            seg = self.slabs.get(slab.name, slab.size)
+            if early is not None:
+                self.early.answered(early, plan, seg)
+                return plan.reply(segment=None, tensors=plan.placed(), tree=plan.tree, pending=True)
+        else:
+            seg = Segment.create(plan.size, kind="load", populate=False)
+            self.load_segments.add(seg.name)
+        try:
+            read = self.read_all(plan, seg)
+        except BaseException:
+            if not pooled:
+                seg.close()
+                seg.unlink()
+                self.load_segments.discard(seg.name)
+            raise
+        if not pooled:
+            seg.close()  # the trainer maps it and takes it over
+        return plan.reply(
+            segment=None if pooled else seg.name,
+            tensors=plan.placed(),
+            tree=plan.tree,
+            read_nbytes=read,
+        )
+
+    def _plan(
+        self,
+        step: int | None,
+        rank: int,
+        world_size: int,
+        wanted: dict[str, Wanted] | None,
+        select: tuple[str, ...] | None,
+        select_required: bool,
+    ) -> _Plan:
+        """What a load reads (see load), checked against the manifest."""
+        step = committed_step(self.catalog, step)
         # Lazily: a rank checks the records it reads, not every rank's (200k at 1024 ranks).
         m = self.catalog.read_manifest(step, lazy=True)
         if m.world_size != world_size:
             rank = 0  # every rank reads rank 0's part, if it is the same on every rank
             check_replicated(m, world_size)
-        path, shard = self._shard_of(m, step, rank)
+        path, shard = shard_of(self.catalog, m, step, rank)
         smap = self.catalog.shard_map(step, m.shard_of(rank))
         where = self.catalog.where(path)
         tree = m.trees[rank]
@@ -346,40 +471,22 @@ class Reader:
         bases, pos = _bases(ranges)
         out_at, size = out_offsets(pos, boxes)
         url = self.catalog.where(fmt.step_dirname(step))
-        plan = _Plan(
+        return _Plan(
             m, step, tree, tuple(left_out), ranges, bases, boxes, out_at, size, smap, where, url
         )
-        if window:
-            windowed = _Windowed.of(plan, window)
-            self._windowed = ((step, *key[1:]), windowed)
-            return self._load_windowed(windowed, slab, part)
-        pooled = slab is not None and slab.size >= size
-        if slab is not None and pooled:
-            seg = self.slabs.get(slab.name, slab.size)
-        else:
-            seg = Segment.create(size, kind="load", populate=False)
-            self.load_segments.add(seg.name)
+
+    def read_all(self, plan: _Plan, seg: Segment) -> int:
+        """Read and verify everything ``plan`` reads into ``seg``; the bytes read."""
         try:
-            for (lo, hi, items), base in zip(ranges, bases, strict=True):
-                self._read_verified(seg, smap, items, lo, hi, base, where)
+            for (lo, hi, items), base in zip(plan.ranges, plan.bases, strict=True):
+                self._read_verified(seg, plan.smap, items, lo, hi, base, plan.where)
             self._wait_checks()
-            assembled = self._assemble(m, step, boxes, out_at, seg)
+            assembled = self._assemble(plan.m, plan.step, plan.boxes, plan.out_at, seg)
         except BaseException:
             self._wait_checks(quiet=True)
-            if not pooled:
-                seg.close()
-                seg.unlink()
-                self.load_segments.discard(seg.name)
             raise
-        if not pooled:
-            seg.close()  # the trainer maps it and takes it over
-        read = sum(hi - lo for lo, hi, _ in ranges)
-        return plan.reply(
-            segment=None if pooled else seg.name,
-            tensors=_placed(ranges, bases, boxes, out_at),
-            tree=tree,
-            read_nbytes=read + (assembled.read_bytes if assembled else 0),
-        )
+        read = sum(hi - lo for lo, hi, _ in plan.ranges)
+        return read + (assembled.read_bytes if assembled else 0)
 
     def _check_tree(self, m: fmt.Manifest, rank: int, shard: fmt.ShardTensors, where: str) -> None:
         """Check ``rank``'s tree of ``m`` against its shard, unless it was the last checked (a
@@ -408,7 +515,7 @@ class Reader:
         whole = part is None
         return plan.reply(
             segment=None,
-            tensors=_placed(plan.ranges, plan.bases, plan.boxes, plan.out_at) if whole else {},
+            tensors=plan.placed() if whole else {},
             tree=plan.tree if whole else None,
             read_nbytes=read,
             windows=windows,
@@ -476,7 +583,7 @@ class Reader:
             smap = maps.get(shard)
             if smap is None:
                 record = next(s for s in m.shards if s.file == shard)
-                self._shard_of(m, step, record.rank)  # there, at its size
+                shard_of(self.catalog, m, step, record.rank)  # there, at its size
                 smap = maps[shard] = self.catalog.shard_map(step, record)
             smap.readinto(self.storage, offset, out)
 
@@ -492,36 +599,6 @@ class Reader:
         finally:
             assembler.wait()
         return assembler
-
-    def _committed(self, step: int | None) -> int:
-        """``step``, or the latest when None, once it is known to be committed."""
-        steps = self.catalog.committed_steps()
-        if not steps:
-            raise CheckpointNotFoundError(f"no committed checkpoint in {self.storage.url}")
-        if step is None:
-            return steps[-1]
-        if step not in steps:
-            raise CheckpointNotFoundError(
-                f"step {step} is not a committed checkpoint in {self.storage.url} (committed: "
-                f"{_ranges(steps)})"
-            )
-        return step
-
-    def _shard_of(self, m: fmt.Manifest, step: int, rank: int) -> tuple[str, fmt.ShardTensors]:
-        """The path of ``rank``'s shard of ``step`` and its tensors, once the shard is there at
-        the size the manifest says (a claimed size is never trusted before it is checked)."""
-        shard = m.shard_of(rank)
-        path = f"{fmt.step_dirname(step)}/{shard.file}"
-        where = self.catalog.where(path)
-        if not self.storage.exists(path):
-            raise CorruptCheckpointError(f"{where}: the shard is missing", path=where)
-        actual = self.storage.size(path)
-        if actual != shard.file_size:
-            raise CorruptCheckpointError(
-                f"{where}: {actual} bytes on storage, the manifest says {shard.file_size}",
-                path=where,
-            )
-        return path, m.tensors[shard.file]
 
     def _read_verified(
         self,

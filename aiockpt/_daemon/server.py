@@ -149,6 +149,8 @@ class Daemon:
             select_required=req.select_required,
             window=req.window,
             part=req.part,
+            early=req.early,
+            collect=req.collect,
         )
 
     def _steps(self, req: StepsReq) -> tuple[int, ...]:
@@ -188,6 +190,7 @@ class Daemon:
                 self.outbox.send(reply)
             except Exception as e:  # e.g. a reply that cannot be pickled: never hang the caller
                 self.outbox.send(Reply(req.id, error=remote_error(e)))
+            self.reader.early.read()  # a load answered early reads its bytes now
 
     def serve(self) -> int:
         """Receive and dispatch until asked to stop or the trainer is gone; then finish what

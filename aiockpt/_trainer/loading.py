@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import _posixshmem
+import dataclasses
 import functools
 import math
 import mmap
@@ -104,7 +105,9 @@ class Loader:
 
         The slab is the one the next save of this state will use anyway: the daemon reads
         the shard straight into it (no fresh shared memory to fault in) and the copy out
-        into the targets is the only other pass over the bytes.
+        into the targets is the only other pass over the bytes. The daemon says where the
+        tensors will lie before it reads them, so the restore is planned meanwhile (see
+        _restore_while_read).
         """
         slab = None
         init_optimizer_states(into)
@@ -131,6 +134,7 @@ class Loader:
                     step, into, strict, keys, required, held, wanted, window
                 )
             slab = await self._pool.acquire(layout.file_size, layout.id)
+        early = uuid_mod.uuid4().hex if slab is not None else None
         try:
             reply = await self._lending(
                 step=step,
@@ -138,33 +142,85 @@ class Loader:
                 wanted=wanted or None,
                 select=keys,
                 select_required=required,
+                early=early,
             )
-            if reply.segment is None:
+            scope = keys if required else None
+            if reply.pending:
                 assert slab is not None
+                assert early is not None
                 self._pool.reuse_for_load(slab)
-                tensors = views(slab.u8, reply.tensors)
-                owned = False
-            else:
-                tensors, owned = map_loaded(reply), True
-            restored = await anyio.to_thread.run_sync(
-                functools.partial(
-                    load_into,
-                    into,
-                    reply.tree,
-                    tensors,
-                    owned=owned,
-                    copy=copy_pairs,
-                    held=held,
-                    strict=strict,
-                    scope=keys if required else None,
+                reply, restored = await self._restore_while_read(
+                    reply, early, slab.u8, into, held, strict, scope
                 )
-            )
-            del tensors
+            else:  # read into a fresh segment: no slab, or one too small
+                restored = await anyio.to_thread.run_sync(
+                    functools.partial(
+                        load_into,
+                        into,
+                        reply.tree,
+                        map_loaded(reply),
+                        copy=copy_pairs,
+                        held=held,
+                        strict=strict,
+                        scope=scope,
+                    )
+                )
             _say_left_out(reply, restored, required)
         finally:
             if slab is not None:
                 self._pool.release(slab.name)
         return reply, restored.value
+
+    async def _restore_while_read(
+        self,
+        reply: LoadReply,
+        name: str,
+        u8: torch.Tensor,
+        into: Any,
+        held: dict[str, Any],
+        strict: bool,
+        scope: tuple[str, ...] | None,
+    ) -> tuple[LoadReply, Restored]:
+        """A load answered early (see LoadReq.early): the restore is planned against views of
+        the slab while the daemon reads into it, everything checked and nothing changed, and
+        carried out once the daemon says every checksum passed. What is handed over rather
+        than copied in place gets a tensor of its own, filled from the slab then."""
+        # (own tensor, its source) pairs: the views' first, then those of what is handed
+        # over, which may be one of the former.
+        fills: tuple[list[Any], list[Any]] = ([], [])
+        planned: list[Any] = []
+        failed: list[Exception] = []
+
+        def plan() -> Any:
+            tensors = views(u8, reply.tensors, fills[0])
+            fresh = _Later(tensors, fills[1])
+            return plan_restore(into, reply.tree, tensors, fresh, held, strict, scope)
+
+        async def planner() -> None:
+            try:
+                planned.append(await anyio.to_thread.run_sync(plan))
+            except Exception as e:  # raised once the slab is the trainer's again
+                failed.append(e)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(planner)
+            try:
+                done = await self._lending(step=reply.step, collect=name)
+            except Exception as e:  # the read's failure first: nothing was changed
+                failed.insert(0, e)
+        if failed:
+            raise failed[0]
+
+        def finish() -> Restored:
+            with torch.no_grad():
+                for pairs in fills:
+                    if pairs:
+                        copy_pairs([own for own, _ in pairs], [src for _, src in pairs])
+            restored: Restored = planned[0].finish(copy_pairs)
+            return restored
+
+        restored = await anyio.to_thread.run_sync(finish)
+        return dataclasses.replace(reply, read_nbytes=done.read_nbytes, pending=False), restored
 
     async def _lending(self, **fields: Any) -> LoadReply:
         """``self._read(**fields)``, waited for to the end even when cancelled: the daemon may be
@@ -484,12 +540,41 @@ def map_loaded(reply: LoadReply) -> dict[str, torch.Tensor]:
     return views(u8, reply.tensors)
 
 
+class _Later(Mapping[str, torch.Tensor]):
+    """The values a restore planned before the bytes are read hands over: a tensor of its own
+    for each, paired in ``later`` with the view it is filled from once they are in."""
+
+    def __init__(
+        self, tensors: Mapping[str, torch.Tensor], later: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        self._tensors = tensors
+        self._later = later
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        src = self._tensors[name]
+        own = torch.empty_like(src)
+        self._later.append((own, src))
+        return own
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+
 @no_gc
-def views(u8: torch.Tensor, specs: dict[str, TensorAt]) -> dict[str, torch.Tensor]:
+def views(
+    u8: torch.Tensor,
+    specs: dict[str, TensorAt],
+    later: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> dict[str, torch.Tensor]:
     """Each loaded tensor as a view of the bytes the daemon read.
 
     Tensors of one dtype that lie back to back are cut from one typed view by a single
-    split_with_sizes: at 20k tensors, a slice and two views per tensor took 70-120 ms.
+    split_with_sizes: at 20k tensors, a slice and two views per tensor took 70-120 ms. With
+    ``later``, the bytes are not read yet: a tensor that gets memory of its own (see below)
+    is left empty, paired there with the view it is to be filled from.
     """
     tensors: dict[str, torch.Tensor] = {}
     by_offset = sorted(specs.items(), key=lambda item: item[1][2])
@@ -511,7 +596,12 @@ def views(u8: torch.Tensor, specs: dict[str, TensorAt]) -> dict[str, torch.Tenso
             if dtype_name == "U8" and len(shp) == 1 and part.numel() <= _RNG_STATE_BYTES:
                 # An RNG state, likely: torch.set_rng_state and Generator.set_state read the
                 # tensor's storage from its start, whatever its offset, so it gets its own.
-                part = part.clone()
+                if later is None:
+                    part = part.clone()
+                else:
+                    own = torch.empty_like(part)
+                    later.append((own, part))
+                    part = own
             tensors[name] = part if len(shp) == 1 else part.view(shp)
         i = j
     return tensors
