@@ -16,6 +16,7 @@ import warnings
 
 import anyio
 import pytest
+import safetensors.torch
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -406,6 +407,10 @@ async def test_a_save_after_load_into_reuses_the_loads_layout(root, monkeypatch)
         await (await mgr.save(2, state))
         assert_same(await mgr.load(2), state)
     assert len(made) == 1  # the load's: a 20k-tensor layout took 0.2-0.4 s to make
+    # The slab was new to the load, which made its views: the save wrote the header.
+    shard = os.path.join(root, fmt.step_dirname(2), fmt.shard_filename(0))
+    on_disk = safetensors.torch.load_file(shard)
+    assert_same({"model": {k.split("/", 1)[1]: v for k, v in on_disk.items()}}, state)
 
 
 def test_small_mappings_are_not_cached():

@@ -22,7 +22,7 @@ from .._core.protocol import LoadReply, SlabRef, TensorAt, Wanted
 from ..errors import CheckpointError, CorruptCheckpointError, InvalidStepError
 from ..events import logger
 from .ledger import Emit
-from .staging import LayoutCache, SlabPool, copy_pairs
+from .staging import Layout, LayoutCache, Slab, SlabPool, copy_pairs
 from .state import (
     ST_TO_TORCH,
     TORCH_TO_ST,
@@ -148,9 +148,10 @@ class Loader:
             if reply.pending:
                 assert slab is not None
                 assert early is not None
+                assert layout is not None
                 self._pool.reuse_for_load(slab)
                 reply, restored = await self._restore_while_read(
-                    reply, early, slab.u8, into, held, strict, scope
+                    reply, early, slab, layout, into, held, strict, scope
                 )
             else:  # read into a fresh segment: no slab, or one too small
                 restored = await anyio.to_thread.run_sync(
@@ -175,7 +176,8 @@ class Loader:
         self,
         reply: LoadReply,
         name: str,
-        u8: torch.Tensor,
+        slab: Slab,
+        layout: Layout,
         into: Any,
         held: dict[str, Any],
         strict: bool,
@@ -192,9 +194,13 @@ class Loader:
         failed: list[Exception] = []
 
         def plan() -> Any:
-            tensors = views(u8, reply.tensors, fills[0])
+            tensors = views(slab.u8, reply.tensors, fills[0])
             fresh = _Later(tensors, fills[1])
-            return plan_restore(into, reply.tree, tensors, fresh, held, strict, scope)
+            restorer = plan_restore(into, reply.tree, tensors, fresh, held, strict, scope)
+            # The save views too, for the save after this load (a resumed run's first):
+            # 0.13 s at 20k tensors, here while the daemon reads.
+            slab.prepare(layout, write=False)
+            return restorer
 
         async def planner() -> None:
             try:

@@ -180,9 +180,12 @@ class Slab:
         """The segment's size in bytes."""
         return self.seg.size
 
-    def prepare(self, layout: Layout) -> list[torch.Tensor]:
+    def prepare(self, layout: Layout, *, write: bool = True) -> list[torch.Tensor]:
         """Destination views in flatten order; writes the header when the layout changes, or
-        when a load has read over it."""
+        when a load has read over it. With ``write`` False (a load is reading into the slab)
+        only the views are made: the next save writes the header."""
+        if not write:
+            self.loaded_over = True
         if self.layout_id != layout.id:
             self.views = []
             base = layout.data_start
@@ -194,7 +197,7 @@ class Slab:
             self.plan = _plan(layout, self.u8[base:])
             self.layout_id = layout.id
             self.loaded_over = True
-        if self.loaded_over:
+        if self.loaded_over and write:
             self.u8[: layout.data_start].copy_(
                 torch.frombuffer(bytearray(layout.header), dtype=torch.uint8)
             )
