@@ -680,7 +680,6 @@ def load_into(
     tree: Any,
     tensors: Mapping[str, torch.Tensor],
     *,
-    owned: bool = True,
     copy: Callable[[list[torch.Tensor], list[torch.Tensor]], None] = torch._foreach_copy_,
     held: Mapping[str, Any] | None = None,
     strict: bool = True,
@@ -693,17 +692,15 @@ def load_into(
     module's or optimizer's load_state_dict would refuse. A mismatch raises
     :class:`LoadMismatchError` and leaves ``target`` as it was. Then tensors are copied into
     the target's tensors (a DTensor's: into its local tensor), all in one ``copy(targets,
-    sources)`` call; anything else gets ``tensors`` themselves, or clones of them when they
-    are not ``owned`` (views of a buffer that will be reused). ``held`` has the target's
-    DTensors by key path (dtensor.Held). Without ``strict``, what both hold is restored and
-    the rest left as it is: saved keys the target lacks are not added, target keys the
-    checkpoint lacks keep their values; the returned Restored says which. ``scope`` (the key
+    sources)`` call; anything else gets ``tensors`` themselves (a load that reads into a
+    reused slab plans with plan_restore instead, handing over tensors of their own).
+    ``held`` has the target's DTensors by key path (dtensor.Held). Without ``strict``, what
+    both hold is restored and the rest left as it is: saved keys the target lacks are not
+    added, target keys the checkpoint lacks keep their values; the returned Restored says
+    which. ``scope`` (the key
     paths a load selected) limits the key check to what lies under them.
     """
-    restorer = plan_restore(
-        target, tree, tensors, tensors if owned else _Cloning(tensors), held, strict, scope
-    )
-    return restorer.finish(copy)
+    return plan_restore(target, tree, tensors, tensors, held, strict, scope).finish(copy)
 
 
 def plan_restore(
@@ -879,19 +876,3 @@ class _Restorer:
         self.dsts.append(dst)
         self.srcs.append(src)
         return target
-
-
-class _Cloning(Mapping):
-    """Clones of the tensors of another mapping, made as they are asked for."""
-
-    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        self._tensors = tensors
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self._tensors[name].clone()
-
-    def __iter__(self):
-        return iter(self._tensors)
-
-    def __len__(self) -> int:
-        return len(self._tensors)
