@@ -157,7 +157,8 @@ class Slab:
         self.seg = Segment.create(size, populate=False)
         self.u8 = torch.frombuffer(self.seg.buf, dtype=torch.uint8)
         self.layout_id = 0
-        #: Whether a load has read over the header and padding since they were written.
+        #: Whether the header and padding are still to be written before a save's copy: the
+        #: layout changed, or a load read over them.
         self.loaded_over = False
         self.views: list[torch.Tensor] = []
         self.plan: tuple[list[Piece], list[Piece]] = ([], [])
