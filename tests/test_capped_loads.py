@@ -125,7 +125,8 @@ def test_a_capped_load_that_fails_a_checksum_leaves_the_target_untouched(tmp_pat
             parts = record_parts(mgr)
             with pytest.raises(CorruptCheckpointError, match=f"{name}.*crc32c"):
                 await mgr.load(1, into=into)
-            assert [p for _, p in parts] == [None]  # it failed in the checking pass
+            # It failed in the checking pass (answered, then collected): no window read again.
+            assert [p for _, p in parts] == [None, None]
             assert mgr._pool.busy == 0
 
     anyio.run(load)
@@ -148,6 +149,60 @@ def test_a_capped_load_of_a_subset_reads_what_the_target_holds(tmp_path) -> None
         assert_equal(into["model"], state["model"])
 
     anyio.run(main)
+
+
+def test_a_tensor_copied_in_place_and_handed_over_loads_in_windows(tmp_path) -> None:
+    """One saved tensor restored twice, copied into a plain target and handed over inside a
+    module's state dict: its bytes go to both, the window copies cutting them twice."""
+    root = str(tmp_path / "r")
+    net = torch.nn.Linear(3000, 1000)
+    state = {"w": net.weight.detach(), "net": net, "small": mixed_state()["small"]}
+
+    async def main() -> None:
+        async with AsyncCheckpointManager(root) as mgr:
+            await (await mgr.save(1, state))
+        fresh = torch.nn.Linear(3000, 1000)
+        into = {"w": torch.zeros(1000, 3000), "net": fresh, "small": zeroed(state["small"])}
+        async with AsyncCheckpointManager(root, staging_memory=4 * MiB, read_only=True) as mgr:
+            parts = record_parts(mgr)
+            await mgr.load(1, into=into)
+            assert len([p for _, p in parts if p is not None]) >= 4
+        assert torch.equal(into["w"], net.weight)
+        assert torch.equal(fresh.weight, net.weight)
+        assert torch.equal(fresh.bias, net.bias)
+        assert_equal(into["small"], state["small"])
+
+    anyio.run(main)
+
+
+def test_placeholders_name_the_tensor_a_source_is_cut_from() -> None:
+    """A plan against placeholders gets back views of them: each is named by where its bytes
+    lie, an empty tensor sharing its start with the next never taken for it."""
+    from aiockpt._trainer.loading import _Placeholders, views
+
+    specs = {
+        "a": ("F32", (4, 6), 0),
+        "e": ("F32", (0,), 96),
+        "b": ("F32", (10,), 96),
+        "c": ("I64", (3,), 136),
+        "r": ("U8", (16,), 160),  # a generator's state, likely: a placeholder of its own
+    }
+    whole = torch.empty(176, dtype=torch.uint8, device="meta")
+    meta = views(whole, specs)
+    names = _Placeholders(meta, whole, specs)
+    assert [names.exactly(meta[k]) for k in specs] == list(specs)
+    assert names.exactly(meta["a"][1]) is None
+    cut = {
+        "a": [meta["a"][1:3, 2:], meta["a"].t(), meta["a"][3]],
+        "b": [meta["b"][3:], meta["b"][:0], meta["b"].view(2, 5)],
+        "c": [meta["c"][2:]],
+        "r": [meta["r"][2:]],
+    }
+    for name, srcs in cut.items():
+        assert [names.under(src) for src in srcs] == [name] * len(srcs)
+    assert names.under(meta["e"]) == "e"
+    with pytest.raises(AssertionError, match="not a view of its placeholders"):
+        names.under(torch.empty(3, device="meta"))
 
 
 def test_load_windows_tile_the_output_and_never_cut_a_box() -> None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: Bumped on any change to these messages; checked by both ends in the handshake.
-PROTOCOL = 9
+PROTOCOL = 10
 
 #: How a loaded tensor lies in shared memory: (safetensors dtype, shape, byte offset).
 TensorAt = tuple[str, tuple[int, ...], int]
@@ -253,9 +253,10 @@ class LoadReq(ReadReq):
     #: ``tree`` are then empty).
     window: int = 0
     part: int | None = None
-    #: A name for this load (``load.start``'s uuid): with a slab large enough, the reply says
-    #: where each tensor will lie before a byte is read (``LoadReply.pending``) and the daemon
-    #: reads them right after, so the trainer plans its restore meanwhile; a LoadReq with
+    #: A name for this load (``load.start``'s uuid): with a slab large enough, or in windows
+    #: with ``part`` None, the reply says where each tensor will lie before a byte is read
+    #: (``LoadReply.pending``) and the daemon reads them (in windows: the checking pass) right
+    #: after, so the trainer plans its restore meanwhile; a LoadReq with
     #: ``collect`` set to the same name then answers once they are read and verified, or
     #: raises what failed (its reply's ``tensors`` and ``tree`` are empty).
     early: str | None = None

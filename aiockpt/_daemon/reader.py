@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import difflib
+import functools
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -282,25 +283,25 @@ def cut_output(
 
 class _Early:
     """The loads answered before their bytes are read (see LoadReq.early), by name: their
-    plan and segment until read, then their plan, the bytes read and what failed, until the
+    plan and how to read them until read, then their plan, the bytes read and what failed, until the
     trainer collects them. The reader thread reads them once their answers are sent (see
     Daemon.read_loop): the trainer plans its restore meanwhile (at 20k tensors the reply's
     decoding, the views and the walk of the target, 0.1 s no longer after the read)."""
 
-    def __init__(self, read: Callable[[_Plan, Segment], int]) -> None:
-        self._read = read
-        self._pending: dict[str, tuple[_Plan, Segment]] = {}
+    def __init__(self) -> None:
+        self._pending: dict[str, tuple[_Plan, Callable[[], int]]] = {}
         self._outcomes: dict[str, tuple[_Plan, int, BaseException | None]] = {}
 
-    def answered(self, name: str, plan: _Plan, seg: Segment) -> None:
-        self._pending[name] = (plan, seg)
+    def answered(self, name: str, plan: _Plan, read: Callable[[], int]) -> None:
+        """Load ``name`` was answered: ``read`` reads and verifies its bytes (the bytes read)."""
+        self._pending[name] = (plan, read)
 
     def read(self) -> None:
         """Read the loads answered, keeping how each went."""
         while self._pending:
-            name, (plan, seg) = self._pending.popitem()
+            name, (plan, read) = self._pending.popitem()
             try:
-                self._outcomes[name] = (plan, self._read(plan, seg), None)
+                self._outcomes[name] = (plan, read(), None)
             except BaseException as e:  # the trainer hears of it when it collects
                 self._outcomes[name] = (plan, 0, e)
 
@@ -373,7 +374,7 @@ class Reader:
         #: trainer then asks for one at a time are read by the same plan, not planned again
         #: (listing the steps, reading the manifest, checking the shard, for each window).
         self._windowed: tuple[tuple[Any, ...], _Windowed] | None = None
-        self.early = _Early(self.read_all)
+        self.early = _Early()
 
     @no_gc
     def load(
@@ -403,9 +404,9 @@ class Reader:
         the reply says where each tensor lies in the whole and what the windows are; with
         ``part`` i, window i is read into the slab, at its start.
 
-        With ``early`` (a name) and a slab large enough, the reply comes before the bytes
-        are read (see :class:`_Early`); ``collect`` with that name answers once they
-        are in."""
+        With ``early`` (a name) and a slab large enough, or in windows with ``part`` None,
+        the reply comes before the bytes are read (see :class:`_Early`); ``collect`` with
+        that name answers once they are in (in windows: every window read and checked)."""
         if collect is not None:
             return self.early.collect(collect)
         key = (step, rank, world_size, wanted, select, select_required, window)
@@ -415,12 +416,22 @@ class Reader:
         if window:
             windowed = _Windowed.of(plan, window)
             self._windowed = ((plan.step, *key[1:]), windowed)
+            if early is not None and part is None:  # the checking pass, after the answer
+                check = functools.partial(self._load_windowed, windowed, slab, None)
+                self.early.answered(early, plan, lambda: check().read_nbytes)
+                return plan.reply(
+                    segment=None,
+                    tensors=plan.placed(),
+                    tree=plan.tree,
+                    windows=windowed.windows,
+                    pending=True,
+                )
             return self._load_windowed(windowed, slab, part)
         pooled = slab is not None and slab.size >= plan.size
         if slab is not None and pooled:
             seg = self.slabs.get(slab.name, slab.size)
             if early is not None:
-                self.early.answered(early, plan, seg)
+                self.early.answered(early, plan, functools.partial(self.read_all, plan, seg))
                 return plan.reply(segment=None, tensors=plan.placed(), tree=plan.tree, pending=True)
         else:
             seg = Segment.create(plan.size, kind="load", populate=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import _posixshmem
+import bisect
 import dataclasses
 import functools
 import math
@@ -253,25 +254,35 @@ class Loader:
 
         The daemon first reads every window and checks every checksum (the target is left
         untouched if any fails), then reads them again one at a time, each copied into the
-        targets before the next: a capped load reads its bytes twice. What a restore hands
+        targets while the next is read into the other slab: a capped load reads its bytes
+        twice. The restore is planned during the first pass (the daemon answers with where
+        the tensors lie before it reads, as in _restore_while_read). What a restore hands
         over rather than copies in place (a module's or optimizer's state dict) is read
-        into tensors of its own, as an uncapped load clones it.
+        into tensors of its own, as an uncapped load's is.
         """
         slabs = await self._pool.acquire_windows(window)
         try:
             for slab in slabs:
                 self._pool.reuse_for_load(slab)
             ask = {"wanted": wanted or None, "select": keys, "select_required": required}
-            first = SlabRef(slabs[0].name, slabs[0].size)
-            reply = await self._lending(step=step, slab=first, window=window, **ask)
+            refs = [SlabRef(slab.name, slab.size) for slab in slabs]
+            name = uuid_mod.uuid4().hex
+            reply = await self._lending(step=step, slab=refs[0], window=window, early=name, **ask)
             scope = keys if required else None
-            plan = await anyio.to_thread.run_sync(WindowedRestore, reply, into, held, strict, scope)
+            plan = await self._plan_while_checked(reply, name, into, held, strict, scope)
+
+            async def fetch(i: int) -> None:
+                await self._lending(step=reply.step, slab=refs[i % 2], window=window, part=i, **ask)
+
             try:
+                n = len(reply.windows)
+                if n:
+                    await fetch(0)
                 for i, span in enumerate(reply.windows):
-                    slab = slabs[i % 2]
-                    ref = SlabRef(slab.name, slab.size)
-                    await self._lending(step=reply.step, slab=ref, window=window, part=i, **ask)
-                    await anyio.to_thread.run_sync(plan.copy_window, slab.u8, span)
+                    async with anyio.create_task_group() as tg:
+                        if i + 1 < n:
+                            tg.start_soon(fetch, i + 1)
+                        await anyio.to_thread.run_sync(plan.copy_window, slabs[i % 2].u8, span)
                 restored = await anyio.to_thread.run_sync(plan.finish)
             except BaseException:
                 logger.error(
@@ -284,6 +295,41 @@ class Loader:
             self._pool.close_windows(slabs, list(slabs))
         _say_left_out(reply, restored, required)
         return reply, restored.value
+
+    async def _plan_while_checked(
+        self,
+        reply: LoadReply,
+        name: str,
+        into: Any,
+        held: dict[str, Any],
+        strict: bool,
+        scope: tuple[str, ...] | None,
+    ) -> WindowedRestore:
+        """The restore of a load in windows, planned while the daemon reads and checks every
+        window (nothing changes yet); raised, the read's failure first."""
+        assert reply.pending
+        planned: list[WindowedRestore] = []
+        failed: list[Exception] = []
+
+        async def planner() -> None:
+            try:
+                planned.append(
+                    await anyio.to_thread.run_sync(
+                        WindowedRestore, reply, into, held, strict, scope
+                    )
+                )
+            except Exception as e:
+                failed.append(e)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(planner)
+            try:
+                await self._lending(step=reply.step, collect=name)
+            except Exception as e:
+                failed.insert(0, e)
+        if failed:
+            raise failed[0]
+        return planned[0]
 
 
 def _say_left_out(reply: LoadReply, restored: Restored, required: bool) -> None:
@@ -303,14 +349,17 @@ def _say_left_out(reply: LoadReply, restored: Restored, required: bool) -> None:
 class WindowedRestore:
     """A restore whose sources come a window at a time (see Loader._load_windows).
 
-    It is planned twice. First against placeholders (meta tensors of the saved shapes), which
-    checks everything before anything changes and says what is copied in place and what is
-    handed over. Tensors handed over, and sources a target takes only part of or a
-    non-contiguous target, get tensors of their own, filled window by window like the
-    targets copied into in place. Once every window is in, the restore is planned again
-    with those tensors as sources and carried out, skipping the copies already made.
+    It is planned twice. First against placeholders (views of one meta tensor of the load's
+    size, cut where the tensors lie), which checks everything before anything changes and
+    says what is copied in place and what is handed over. Tensors handed over, and sources a
+    target takes only part of or a non-contiguous target, get tensors of their own, filled
+    window by window like the targets copied into in place. Once every window is in, the
+    restore is planned again with those tensors as sources and carried out, skipping the
+    copies already made. At 20k tensors the placeholders cost what an uncapped load's views
+    do (one split per run of tensors), and a window's sources are one split of its bytes.
     """
 
+    @no_gc  # 20k placeholders and spans: see gc_paused
     def __init__(
         self,
         reply: LoadReply,
@@ -321,11 +370,9 @@ class WindowedRestore:
     ) -> None:
         self._into, self._tree, self._held = into, reply.tree, held
         self._strict, self._scope = strict, scope
-        meta = {
-            name: torch.empty(shape, dtype=ST_TO_TORCH[dtype], device="meta")
-            for name, (dtype, shape, _) in reply.tensors.items()
-        }
-        self._meta = meta
+        self._at = {name: at[2] for name, at in reply.tensors.items()}
+        whole = torch.empty(reply.size, dtype=torch.uint8, device="meta")
+        self._meta = meta = views(whole, reply.tensors)
         #: name -> a tensor of its own, filled from the windows (see class docstring).
         self._own: dict[str, torch.Tensor] = {}
         # What is handed over gets its own tensor at once, not a placeholder: building the
@@ -334,23 +381,22 @@ class WindowedRestore:
         first = plan_restore(
             into, reply.tree, meta, _Asked(self._own_tensor, meta), held, strict, scope
         )
-        by_id = {id(t): name for name, t in meta.items()}
+        name_of = _Placeholders(meta, whole, reply.tensors)
         direct: list[tuple[str, torch.Tensor]] = []
         for dst, src in zip(first.dsts, first.srcs, strict=True):
-            name = by_id.get(id(src))
+            name = name_of.exactly(src)
             if name is not None and dst.is_contiguous():
                 direct.append((name, dst))
-                continue
-            base = src if src._base is None else src._base
-            self._own_tensor(by_id[id(base)])
+            else:
+                self._own_tensor(name_of.under(src))
         direct.extend(self._own.items())
         #: (start, end, the destination's bytes) in the load's output, by start.
         self._spans: list[tuple[int, int, torch.Tensor]] = []
         for name, dst in direct:
-            start = reply.tensors[name][2]
-            n = dst.numel() * dst.element_size()
-            if n:
-                self._spans.append((start, start + n, dst.reshape(-1).view(torch.uint8)))
+            if dst.numel():
+                start = self._at[name]
+                flat = dst if dst.dim() == 1 else dst.view(-1)
+                self._spans.append((start, start + dst.nbytes, flat.view(torch.uint8)))
         self._spans.sort(key=lambda item: item[0])
         self._next = 0
 
@@ -366,18 +412,34 @@ class WindowedRestore:
     def copy_window(self, u8: torch.Tensor, span: tuple[int, int]) -> None:
         """Copy the window ``span`` of the load, in ``u8`` from its start, where it goes."""
         a, b = span
-        dsts, srcs = [], []
+        # The sources of spans that follow one another are cut from the window's bytes by
+        # one split, the gaps between them included (at 20k tensors, 5 us a slice); a span
+        # over bytes already cut (a tensor copied whole and also given its own) is sliced.
+        dsts, cut, sliced = [], [], []
+        sizes: list[int] = []
+        pos = 0
         spans, i = self._spans, self._next
         while i < len(spans) and spans[i][0] < b:
             o, e, dst = spans[i]
             x, y = max(o, a), min(e, b)
             if x < y:
-                dsts.append(dst[x - o : y - o])
-                srcs.append(u8[x - a : y - a])
+                dsts.append(dst if (o, e) == (x, y) else dst[x - o : y - o])
+                if x - a >= pos:
+                    if x - a > pos:
+                        sizes.append(x - a - pos)
+                    cut.append(len(sizes))
+                    sizes.append(y - x)
+                    pos = y - a
+                else:
+                    cut.append(-1)
+                    sliced.append(u8[x - a : y - a])
             i += 1
         while self._next < len(spans) and spans[self._next][1] <= b:
             self._next += 1
         if dsts:
+            parts = u8[:pos].split_with_sizes(sizes) if sizes else []
+            others = iter(sliced)
+            srcs = [parts[k] if k >= 0 else next(others) for k in cut]
             with torch.no_grad():
                 copy_pairs(dsts, srcs)
 
@@ -400,6 +462,46 @@ class WindowedRestore:
                 copy_pairs([d for d, _ in pairs], [s for _, s in pairs])
 
         return plan.finish(copy)
+
+
+class _Placeholders:
+    """Which saved tensor a source of a plan against placeholders (see WindowedRestore) is,
+    or is a view of: the placeholder itself by identity, a view of one made on its own (see
+    views) by its base, a view of the others by where its bytes lie in the meta tensor they
+    are all cut from."""
+
+    def __init__(
+        self, meta: dict[str, torch.Tensor], whole: torch.Tensor, specs: dict[str, TensorAt]
+    ) -> None:
+        self._by_id = {id(t): name for name, t in meta.items()}
+        self._storage = whole.untyped_storage()._cdata
+        self._specs = specs
+        self._by_start: tuple[list[int], list[tuple[int, int, str]]] | None = None
+
+    def exactly(self, src: torch.Tensor) -> str | None:
+        """The name of the placeholder ``src`` is, if it is one."""
+        return self._by_id.get(id(src))
+
+    def under(self, src: torch.Tensor) -> str:
+        """The name of the placeholder ``src`` is a view of."""
+        name = self._by_id.get(id(src))
+        if name is None and src._base is not None:
+            name = self._by_id.get(id(src._base))  # a view of a placeholder made on its own
+        if name is not None:
+            return name
+        same = src.untyped_storage()._cdata == self._storage
+        assert same, "a restore's source is not a view of its placeholders"
+        if self._by_start is None:  # by start, an empty tensor before one starting there
+            spans = sorted(
+                (at[2], math.prod(at[1]) * fmt.DTYPE_SIZES[at[0]], name)
+                for name, at in self._specs.items()
+            )
+            self._by_start = [start for start, _, _ in spans], spans
+        starts, spans = self._by_start
+        offset = src.storage_offset() * src.element_size()
+        start, size, name = spans[bisect.bisect_right(starts, offset) - 1]
+        assert start <= offset <= start + size
+        return name
 
 
 class _Asked(Mapping[str, torch.Tensor]):
