@@ -10,6 +10,7 @@ as a fresh save would be.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import warnings
@@ -429,3 +430,44 @@ def test_wire_tree_expands_to_the_plain_tree():
     assert fmt.encode_tree(plain.tree, {}) == json.dumps(
         plain.tree, separators=(",", ":"), ensure_ascii=False, allow_nan=False
     )
+
+
+_CUT_DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.bool, torch.float64, torch.int64]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(range(len(_CUT_DTYPES))),
+            st.lists(st.integers(0, 5), min_size=0, max_size=3),
+            st.integers(0, 3),
+        ),
+        min_size=1,
+        max_size=40,
+    )
+)
+def test_typed_views_are_the_views_a_slice_would_make(items) -> None:
+    """Runs of one dtype cut by one split, with whole-element gaps between their tensors
+    (padding) and without: each view has the dtype, shape and memory a slice of the bytes
+    and two views would give it."""
+    from aiockpt._trainer.staging import typed_views
+
+    cuts, pos = [], 0
+    for d, shape, gap in items:
+        dtype = _CUT_DTYPES[d]
+        size = dtype.itemsize
+        pos = -(-pos // size) * size + gap * size  # aligned, then a gap of whole elements
+        nbytes = math.prod(shape) * size
+        cuts.append((dtype, tuple(shape), pos, nbytes))
+        pos += nbytes
+    u8 = torch.randint(0, 2, (pos + 8,), dtype=torch.uint8)  # 0/1: valid bools too
+    got = typed_views(u8, cuts)
+    assert len(got) == len(cuts)
+    for view, (dtype, shape, start, nbytes) in zip(got, cuts, strict=True):
+        want = u8[start : start + nbytes].view(dtype).view(shape)
+        assert (view.dtype, view.shape) == (dtype, torch.Size(shape))
+        assert view.is_contiguous()
+        if nbytes:
+            assert view.data_ptr() == want.data_ptr()
+            assert torch.equal(view, want)

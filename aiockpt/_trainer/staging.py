@@ -161,6 +161,8 @@ class Slab:
         #: layout changed, or a load read over them.
         self.loaded_over = False
         self.views: list[torch.Tensor] = []
+        #: The padding between the tensors of the layout of ``views``, zeroed for each save.
+        self.pads: list[torch.Tensor] = []
         self.plan: tuple[list[Piece], list[Piece]] = ([], [])
         self.pinned = False
         #: Copies made into the slab so far: the daemon knows a copy by it (SaveReq.copy_gen).
@@ -187,24 +189,30 @@ class Slab:
         only the views are made: the next save writes the header."""
         if not write:
             self.loaded_over = True
+        base = layout.data_start
         if self.layout_id != layout.id:
             self.views = []
-            base = layout.data_start
-            by_file = [
-                self.u8[base + s.start : base + s.end].view(ST_TO_TORCH[s.dtype]).view(s.shape)
-                for s in layout.specs
+            specs = layout.specs
+            at = [j for j, sp in enumerate(specs) if sp.name != fmt.PAD_NAME]
+            cuts = [
+                (ST_TO_TORCH[sp.dtype], sp.shape, base + sp.start, sp.end - sp.start)
+                for sp in (specs[j] for j in at)
             ]
+            by_file = dict(zip(at, typed_views(self.u8, cuts), strict=True))
             self.views = [by_file[j] for j in layout.order]
+            pads: list[Cut] = [
+                (torch.uint8, (n,), base + sp.start, n)
+                for sp in specs
+                if sp.name == fmt.PAD_NAME and (n := sp.end - sp.start)
+            ]
+            self.pads = typed_views(self.u8, pads)
             self.plan = _plan(layout, self.u8[base:])
             self.layout_id = layout.id
             self.loaded_over = True
         if self.loaded_over and write:
-            self.u8[: layout.data_start].copy_(
-                torch.frombuffer(bytearray(layout.header), dtype=torch.uint8)
-            )
-            for s in layout.specs:
-                if s.name == fmt.PAD_NAME:
-                    self.u8[layout.data_start + s.start : layout.data_start + s.end].zero_()
+            self.u8[:base].copy_(torch.frombuffer(bytearray(layout.header), dtype=torch.uint8))
+            if self.pads:
+                torch._foreach_zero_(self.pads)
             self.loaded_over = False
         return self.views
 
@@ -296,7 +304,7 @@ class Slab:
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.u8.data_ptr())
             self.pinned = False
-        self.views = []
+        self.views, self.pads = [], []
         self.plan = ([], [])
         del self.u8
         self.seg.close()
@@ -386,6 +394,47 @@ def sources_match(layout: Layout, tensors: list[torch.Tensor], cuda: bool) -> bo
     """Whether ``tensors`` still have ``layout``'s dtypes and shapes (dense; on the CPU
     unless ``cuda``): checked before a save staged in windows copies its first."""
     return _matches(tensors, layout.shapes, layout.dtypes, cpu_only=not cuda)
+
+
+#: What typed_views cuts: (dtype, shape, start, nbytes), the start a byte offset.
+Cut = tuple[torch.dtype, tuple[int, ...], int, int]
+
+
+@no_gc
+def typed_views(u8: torch.Tensor, items: list[Cut]) -> list[torch.Tensor]:
+    """A view of ``u8`` for each item (sorted by start, none overlapping, each start a
+    multiple of its item size), in their order.
+
+    Items of one dtype that follow one another, with gaps between them (a layout's padding,
+    say) that are whole elements, are cut from one typed view by a single split_with_sizes,
+    the gaps cut as parts of their own: at 20k tensors a slice and two views each took 80 ms,
+    one split 20 ms.
+    """
+    out: list[torch.Tensor] = []
+    i, n = 0, len(items)
+    while i < n:
+        dtype, _, first, _ = items[i]
+        size = dtype.itemsize
+        sizes: list[int] = []
+        keep: list[int] = []
+        end = first
+        j = i
+        while j < n:
+            kind, _, start, nbytes = items[j]
+            if kind != dtype or start < end or (start - end) % size:
+                break
+            if start > end:
+                sizes.append((start - end) // size)
+            keep.append(len(sizes))
+            sizes.append(nbytes // size)
+            end = start + nbytes
+            j += 1
+        parts = u8[first:end].view(dtype).split_with_sizes(sizes)
+        for k, (_, shape, _, _) in zip(keep, items[i:j], strict=True):
+            part = parts[k]
+            out.append(part if len(shape) == 1 else part.view(shape))
+        i = j
+    return out
 
 
 def _runs(layout: Layout, data: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
