@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 
+import anyio
 import pytest
 import torch
 
@@ -189,3 +190,50 @@ def test_collecting_a_load_never_answered_early_is_an_error(tmp_path):
         reader = Reader(Catalog(open_storage(str(tmp_path))), Slabs(), pool)
         with pytest.raises(CheckpointError, match="no load named 'x' was answered early"):
             reader.load(None, 0, collect="x")
+
+
+def test_a_warmed_load_finds_its_manifest_parsed_and_checked(tmp_path, monkeypatch):
+    """WarmReq does ahead what a load checks before it reads: the load after it parses no
+    manifest and checks no tree again; a step that is not there is left for the load to
+    raise."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from aiockpt._core import format as fmt
+    from aiockpt._core.catalog import Catalog
+    from aiockpt._daemon.reader import Reader
+    from aiockpt._daemon.shared import Slabs
+    from aiockpt.errors import CheckpointNotFoundError
+    from aiockpt.storage import open_storage
+
+    state = {f"t{i}": torch.full((i + 1,), float(i)) for i in range(40)}
+
+    async def save() -> None:
+        async with AsyncCheckpointManager(str(tmp_path)) as mgr:
+            await (await mgr.save(3, state))
+
+    anyio.run(save)
+    real = fmt.parse_manifest
+    parsed: list[int | None] = []
+
+    def parse(data, **kw):
+        parsed.append(kw.get("step"))
+        return real(data, **kw)
+
+    monkeypatch.setattr(fmt, "parse_manifest", parse)
+    checked: list[object] = []
+    real_check = fmt.check_tree
+    monkeypatch.setattr(
+        fmt, "check_tree", lambda *a, **kw: checked.append(a) or real_check(*a, **kw)
+    )
+    with ThreadPoolExecutor(2) as pool:
+        reader = Reader(Catalog(open_storage(str(tmp_path))), Slabs(), pool)
+        reader.warm(None, 0, 1)
+        assert (len(parsed), len(checked)) == (1, 1)
+        m = reader.catalog.read_manifest(3, lazy=True)
+        assert m.tensors[m.shard_of(0).file]._all is not None  # every record checked
+        reply = reader.load(None, 0)
+        assert (len(parsed), len(checked)) == (1, 1)  # nothing parsed or checked again
+        assert set(reply.tensors) == set(state)
+        with pytest.raises(CheckpointNotFoundError, match="step 4 is not a committed"):
+            reader.warm(4, 0, 1)
+        reader.close()

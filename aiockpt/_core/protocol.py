@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: Bumped on any change to these messages; checked by both ends in the handshake.
-PROTOCOL = 10
+PROTOCOL = 11
 
 #: How a loaded tensor lies in shared memory: (safetensors dtype, shape, byte offset).
 TensorAt = tuple[str, tuple[int, ...], int]
@@ -219,6 +219,19 @@ class PublishFailureReq(ReadReq):
     step: int
     uuid: str
     message: str
+
+
+@dataclass(frozen=True, slots=True)
+class WarmReq(ReadReq):
+    """Ready what a load of ``rank``'s tensors of ``step`` (latest when None) will check, and
+    read nothing else: the manifest read and parsed, the shard's records and the rank's tree
+    checked (value: None). Sent as a load(into=) starts, the daemon does this while the
+    trainer walks its target; the LoadReq after it finds it done (the catalog keeps a
+    manifest parsed while its bytes stay the same) and raises any error it meets."""
+
+    step: int | None
+    rank: int
+    world_size: int
 
 
 @dataclass(frozen=True, slots=True)

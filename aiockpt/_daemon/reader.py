@@ -463,17 +463,8 @@ class Reader:
         select_required: bool,
     ) -> _Plan:
         """What a load reads (see load), checked against the manifest."""
-        step = committed_step(self.catalog, step)
-        # Lazily: a rank checks the records it reads, not every rank's (200k at 1024 ranks).
-        m = self.catalog.read_manifest(step, lazy=True)
-        if m.world_size != world_size:
-            rank = 0  # every rank reads rank 0's part, if it is the same on every rank
-            check_replicated(m, world_size)
-        path, shard = shard_of(self.catalog, m, step, rank)
-        smap = self.catalog.shard_map(step, m.shard_of(rank))
-        where = self.catalog.where(path)
+        step, m, rank, shard, smap, where = self._shard(step, rank, world_size)
         tree = m.trees[rank]
-        self._check_tree(m, rank, shard, where)
         left_out: list[str] = []
         if select is not None:
             tree = _selected(tree, select, select_required, left_out)
@@ -485,6 +476,33 @@ class Reader:
         return _Plan(
             m, step, tree, tuple(left_out), ranges, bases, boxes, out_at, size, smap, where, url
         )
+
+    def _shard(
+        self, step: int | None, rank: int, world_size: int
+    ) -> tuple[int, fmt.Manifest, int, fmt.ShardTensors, ShardMap, str]:
+        """The step a load of ``step`` reads, its manifest, the rank whose shard it reads,
+        that shard's records, map and URL, once the shard is there and the rank's tree
+        checked against it."""
+        step = committed_step(self.catalog, step)
+        # Lazily: a rank checks the records it reads, not every rank's (200k at 1024 ranks).
+        m = self.catalog.read_manifest(step, lazy=True)
+        if m.world_size != world_size:
+            rank = 0  # every rank reads rank 0's part, if it is the same on every rank
+            check_replicated(m, world_size)
+        path, shard = shard_of(self.catalog, m, step, rank)
+        smap = self.catalog.shard_map(step, m.shard_of(rank))
+        where = self.catalog.where(path)
+        self._check_tree(m, rank, shard, where)
+        return step, m, rank, shard, smap, where
+
+    @no_gc
+    def warm(self, step: int | None, rank: int, world_size: int) -> None:
+        """What a load of ``step`` checks before it reads, done ahead of it (see WarmReq):
+        at 20k tensors, reading and parsing the manifest and checking the shard's records
+        and the tree, 0.1 s of a process's first load."""
+        _, m, _, shard, _, _ = self._shard(step, rank, world_size)
+        if not m.dtensors:
+            shard.checked()  # a plain load reads every record: see _wanted
 
     def read_all(self, plan: _Plan, seg: Segment) -> int:
         """Read and verify everything ``plan`` reads into ``seg``; the bytes read."""

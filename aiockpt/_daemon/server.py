@@ -41,6 +41,7 @@ from .._core.protocol import (
     StepRecord,
     StepsReq,
     Stop,
+    WarmReq,
     WindowReady,
     check_protocol,
 )
@@ -111,6 +112,7 @@ class Daemon:
         self.read_q: queue.Queue[ReadReq | None] = queue.Queue()
         self._handlers: dict[type[ReadReq], Callable[[Any], Any]] = {
             LoadReq: self._load,
+            WarmReq: self._warm,
             StepsReq: self._steps,
             RecordsReq: self._records,
             CollectPartialsReq: self._collect_partials,
@@ -152,6 +154,9 @@ class Daemon:
             early=req.early,
             collect=req.collect,
         )
+
+    def _warm(self, req: WarmReq) -> None:
+        self.reader.warm(req.step, req.rank, req.world_size)
 
     def _steps(self, req: StepsReq) -> tuple[int, ...]:
         return tuple(self.catalog.committed_steps())

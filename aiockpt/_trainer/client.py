@@ -43,6 +43,7 @@ from .._core.protocol import (
     StepsReq,
     Stop,
     Wanted,
+    WarmReq,
     WindowReady,
     check_protocol,
 )
@@ -114,6 +115,10 @@ class DaemonClient(Protocol):
     @overload
     async def request(
         self, kind: type[PublishFailureReq], *, step: int, uuid: str, message: str
+    ) -> None: ...
+    @overload
+    async def request(
+        self, kind: type[WarmReq], *, step: int | None, rank: int, world_size: int
     ) -> None: ...
     @overload
     async def request(

@@ -30,6 +30,7 @@ from .._core.protocol import (
     LoadReq,
     RecordsReq,
     StepsReq,
+    WarmReq,
 )
 from .._core.shm import sweep_orphans
 from ..errors import DaemonError, ManagerClosedError, ReadOnlyError
@@ -135,7 +136,12 @@ class AsyncCheckpointManager:
             skip_unchanged=checks.flag("skip_unchanged", skip_unchanged),
         )
         self._loader = Loader(
-            self._read, self._emit, flattener=flattener, layouts=layouts, pool=self._pool
+            self._read,
+            self._emit,
+            flattener=flattener,
+            layouts=layouts,
+            pool=self._pool,
+            warm=self._warm,
         )
 
     # ----------------------------------------------------------------- lifecycle
@@ -268,6 +274,22 @@ class AsyncCheckpointManager:
 
     def _emit(self, name: str, **fields: Any) -> None:
         self.events.emit(name, **fields)
+
+    async def _warm(self, step: int | None) -> None:
+        """Send this rank's :class:`WarmReq` for a load of ``step``, and return: its answer
+        is not waited for, and any error it meets is the load's to raise."""
+        await self._tg.start(self._warming, step)
+
+    async def _warming(
+        self,
+        step: int | None,
+        *,
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        task_status.started()  # this task runs on until it waits for the answer: sent by then
+        with contextlib.suppress(Exception):
+            d = await self._daemons.live()
+            await d.request(WarmReq, step=step, rank=self.rank, world_size=self.world_size)
 
     async def _read(self, **fields: Any) -> LoadReply:
         """This rank's :class:`LoadReq` with ``fields``, answered by the live daemon."""
