@@ -18,7 +18,7 @@ from test_staging_cap import assert_equal, mixed_state
 from aiockpt import AsyncCheckpointManager
 from aiockpt._core import format as fmt
 from aiockpt._daemon.reader import cut_output
-from aiockpt.errors import CorruptCheckpointError, StagingMemoryError
+from aiockpt.errors import CheckpointError, CorruptCheckpointError, StagingMemoryError
 
 MiB = 1 << 20
 
@@ -399,3 +399,35 @@ def test_a_cancelled_load_into_gives_its_slab_back_only_once_the_daemon_is_done(
             assert_equal(await mgr.load(2), state)
 
     anyio.run(main)
+
+
+def test_a_capped_load_whose_shard_goes_while_copying_windows_says_so(tmp_path, caplog) -> None:
+    """Every checksum passed, then the shard is gone before window 2 is read again: the load
+    raises the storage's error itself (not wrapped in a group), says the target may be partly
+    restored, and gives both window slabs back."""
+    state = mixed_state()
+    root = str(tmp_path / "r")
+
+    async def main() -> None:
+        async with AsyncCheckpointManager(root) as mgr:
+            await (await mgr.save(1, state))
+        shard = os.path.join(root, fmt.step_dirname(1), manifest_of(root, 1)["shards"][0]["file"])
+        async with AsyncCheckpointManager(
+            root, staging_memory=cap_of(root, 0.25), read_only=True
+        ) as mgr:
+            loader = mgr._loader
+            real = loader._read
+
+            async def read(**fields):
+                if fields.get("part") == 2:
+                    os.remove(shard)
+                return await real(**fields)
+
+            loader._read = read
+            with pytest.raises(CheckpointError):  # not a group of one
+                await mgr.load(1, into=zeroed(mixed_state()))
+            assert mgr._pool.busy == 0
+
+    with caplog.at_level("ERROR", logger="aiockpt"):
+        anyio.run(main)
+    assert "the target may be partly restored" in caplog.text

@@ -284,18 +284,31 @@ class Loader:
             scope = keys if required else None
             plan = await self._plan_while_checked(reply, name, into, held, strict, scope)
 
-            async def fetch(i: int) -> None:
-                await self._lending(step=reply.step, slab=refs[i % 2], window=window, part=i, **ask)
+            async def fetch(i: int, failed: list[Exception]) -> None:
+                try:
+                    await self._lending(
+                        step=reply.step, slab=refs[i % 2], window=window, part=i, **ask
+                    )
+                except Exception as e:  # raised as it is, not in a group
+                    failed.append(e)
 
             try:
                 n = len(reply.windows)
+                failed: list[Exception] = []
                 if n:
-                    await fetch(0)
+                    await fetch(0, failed)
                 for i, span in enumerate(reply.windows):
+                    if failed:
+                        raise failed[0]
                     async with anyio.create_task_group() as tg:
                         if i + 1 < n:
-                            tg.start_soon(fetch, i + 1)
-                        await anyio.to_thread.run_sync(plan.copy_window, slabs[i % 2].u8, span)
+                            tg.start_soon(fetch, i + 1, failed)
+                        try:
+                            await anyio.to_thread.run_sync(plan.copy_window, slabs[i % 2].u8, span)
+                        except Exception as e:
+                            failed.insert(0, e)
+                if failed:
+                    raise failed[0]
                 restored = await anyio.to_thread.run_sync(plan.finish)
             except BaseException:
                 logger.error(
