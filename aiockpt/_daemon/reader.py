@@ -357,6 +357,42 @@ def shard_of(
     return path, m.tensors[shard.file]
 
 
+def assemble(
+    catalog: Catalog,
+    pool: ThreadPoolExecutor,
+    m: fmt.Manifest,
+    step: int,
+    boxes: list[tuple[str, str, Chunk]],
+    out_at: dict[str, int],
+    seg: Segment,
+) -> Assembler | None:
+    """Fill each wanted box of a distributed tensor into ``seg`` at ``out_at``."""
+    if not boxes:
+        return None
+    maps: dict[str, ShardMap] = {}
+
+    def read(shard: str, offset: int, out: memoryview) -> None:
+        smap = maps.get(shard)
+        if smap is None:
+            record = next(s for s in m.shards if s.file == shard)
+            shard_of(catalog, m, step, record.rank)  # there, at its size
+            smap = maps[shard] = catalog.shard_map(step, record)
+        smap.readinto(catalog.storage, offset, out)
+
+    def where(shard: str) -> str:
+        return catalog.where(f"{fmt.step_dirname(step)}/{shard}")
+
+    assembler = Assembler(read, pool, m.block_bytes, where)
+    try:
+        for name, dtype, box in boxes:
+            n = box.numel * fmt.DTYPE_SIZES[dtype]
+            with seg.buf[out_at[name] : out_at[name] + n] as out:
+                assembler.fill(m.dtensors[name], box, out)
+    finally:
+        assembler.wait()
+    return assembler
+
+
 class Reader:
     """Serves loads from a root: into a slab the trainer lends, or into new segments that the
     trainer takes over (their names are kept, to be unlinked when the daemon exits)."""
@@ -510,7 +546,9 @@ class Reader:
             for (lo, hi, items), base in zip(plan.ranges, plan.bases, strict=True):
                 self._read_verified(seg, plan.smap, items, lo, hi, base, plan.where)
             self._wait_checks()
-            assembled = self._assemble(plan.m, plan.step, plan.boxes, plan.out_at, seg)
+            assembled = assemble(
+                self.catalog, self.pool, plan.m, plan.step, plan.boxes, plan.out_at, seg
+            )
         except BaseException:
             self._wait_checks(quiet=True)
             raise
@@ -590,44 +628,10 @@ class Reader:
         ]
         if inside:
             shifted = {name: plan.out_at[name] - a for name, _, _ in inside}
-            assembled = self._assemble(plan.m, plan.step, inside, shifted, seg)
+            assembled = assemble(self.catalog, self.pool, plan.m, plan.step, inside, shifted, seg)
             read += assembled.read_bytes if assembled else 0
         self._wait_checks()
         return read
-
-    def _assemble(
-        self,
-        m: fmt.Manifest,
-        step: int,
-        boxes: list[tuple[str, str, Chunk]],
-        out_at: dict[str, int],
-        seg: Segment,
-    ) -> Assembler | None:
-        """Fill each wanted box of a distributed tensor into ``seg`` at ``out_at``."""
-        if not boxes:
-            return None
-        maps: dict[str, ShardMap] = {}
-
-        def read(shard: str, offset: int, out: memoryview) -> None:
-            smap = maps.get(shard)
-            if smap is None:
-                record = next(s for s in m.shards if s.file == shard)
-                shard_of(self.catalog, m, step, record.rank)  # there, at its size
-                smap = maps[shard] = self.catalog.shard_map(step, record)
-            smap.readinto(self.storage, offset, out)
-
-        def where(shard: str) -> str:
-            return self.catalog.where(f"{fmt.step_dirname(step)}/{shard}")
-
-        assembler = Assembler(read, self.pool, m.block_bytes, where)
-        try:
-            for name, dtype, box in boxes:
-                n = box.numel * fmt.DTYPE_SIZES[dtype]
-                with seg.buf[out_at[name] : out_at[name] + n] as out:
-                    assembler.fill(m.dtensors[name], box, out)
-        finally:
-            assembler.wait()
-        return assembler
 
     def _read_verified(
         self,

@@ -52,12 +52,11 @@ class Loader:
     def __init__(
         self,
         read: Read,
+        warm: Callable[[int | None], Awaitable[None]] | None,
         emit: Emit,
-        *,
         flattener: Flattener,
         layouts: LayoutCache,
         pool: SlabPool,
-        warm: Callable[[int | None], Awaitable[None]] | None = None,
     ) -> None:
         self._read = read
         self._warm = warm
@@ -282,7 +281,7 @@ class Loader:
             name = uuid_mod.uuid4().hex
             reply = await self._lending(step=step, slab=refs[0], window=window, early=name, **ask)
             scope = keys if required else None
-            plan = await self._plan_while_checked(reply, name, into, held, strict, scope)
+            plan = await plan_while_checked(self._lending, reply, name, into, held, strict, scope)
 
             async def fetch(i: int, failed: list[Exception]) -> None:
                 try:
@@ -322,40 +321,38 @@ class Loader:
         _say_left_out(reply, restored, required)
         return reply, restored.value
 
-    async def _plan_while_checked(
-        self,
-        reply: LoadReply,
-        name: str,
-        into: Any,
-        held: dict[str, Any],
-        strict: bool,
-        scope: tuple[str, ...] | None,
-    ) -> WindowedRestore:
-        """The restore of a load in windows, planned while the daemon reads and checks every
-        window (nothing changes yet); raised, the read's failure first."""
-        assert reply.pending
-        planned: list[WindowedRestore] = []
-        failed: list[Exception] = []
 
-        async def planner() -> None:
-            try:
-                planned.append(
-                    await anyio.to_thread.run_sync(
-                        WindowedRestore, reply, into, held, strict, scope
-                    )
-                )
-            except Exception as e:
-                failed.append(e)
+async def plan_while_checked(
+    lending: Read,
+    reply: LoadReply,
+    name: str,
+    into: Any,
+    held: dict[str, Any],
+    strict: bool,
+    scope: tuple[str, ...] | None,
+) -> WindowedRestore:
+    """The restore of a load in windows, planned while the daemon reads and checks every
+    window (nothing changes yet); raised, the read's failure first."""
+    assert reply.pending
+    planned: list[WindowedRestore] = []
+    failed: list[Exception] = []
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(planner)
-            try:
-                await self._lending(step=reply.step, collect=name)
-            except Exception as e:
-                failed.insert(0, e)
-        if failed:
-            raise failed[0]
-        return planned[0]
+    async def planner() -> None:
+        try:
+            args = (reply, into, held, strict, scope)
+            planned.append(await anyio.to_thread.run_sync(WindowedRestore, *args))
+        except Exception as e:
+            failed.append(e)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(planner)
+        try:
+            await lending(step=reply.step, collect=name)
+        except Exception as e:
+            failed.insert(0, e)
+    if failed:
+        raise failed[0]
+    return planned[0]
 
 
 def _say_left_out(reply: LoadReply, restored: Restored, required: bool) -> None:

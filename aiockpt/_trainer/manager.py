@@ -135,14 +135,7 @@ class AsyncCheckpointManager:
             pool=self._pool,
             skip_unchanged=checks.flag("skip_unchanged", skip_unchanged),
         )
-        self._loader = Loader(
-            self._read,
-            self._emit,
-            flattener=flattener,
-            layouts=layouts,
-            pool=self._pool,
-            warm=self._warm,
-        )
+        self._loader = Loader(self._read, self._warm, self._emit, flattener, layouts, self._pool)
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -278,18 +271,8 @@ class AsyncCheckpointManager:
     async def _warm(self, step: int | None) -> None:
         """Send this rank's :class:`WarmReq` for a load of ``step``, and return: its answer
         is not waited for, and any error it meets is the load's to raise."""
-        await self._tg.start(self._warming, step)
-
-    async def _warming(
-        self,
-        step: int | None,
-        *,
-        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
-    ) -> None:
-        task_status.started()  # this task runs on until it waits for the answer: sent by then
-        with contextlib.suppress(Exception):
-            d = await self._daemons.live()
-            await d.request(WarmReq, step=step, rank=self.rank, world_size=self.world_size)
+        req = {"step": step, "rank": self.rank, "world_size": self.world_size}
+        await self._tg.start(_warming, self._daemons, req)
 
     async def _read(self, **fields: Any) -> LoadReply:
         """This rank's :class:`LoadReq` with ``fields``, answered by the live daemon."""
@@ -381,3 +364,16 @@ def lease_events(events: EventDispatcher, grant: LeaseGrant | None, url: str) ->
             detail=f"{url} cannot create files conditionally: two writers opening it at the "
             "same moment could both take its lease (see docs/reliability.md)",
         )
+
+
+async def _warming(
+    daemons: Supervisor,
+    req: dict[str, Any],
+    *,
+    task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Send a WarmReq of ``req``'s fields (see AsyncCheckpointManager._warm)."""
+    task_status.started()  # this task runs on until it waits for the answer: sent by then
+    with contextlib.suppress(Exception):
+        d = await daemons.live()
+        await d.request(WarmReq, **req)
