@@ -237,3 +237,30 @@ def test_a_warmed_load_finds_its_manifest_parsed_and_checked(tmp_path, monkeypat
         with pytest.raises(CheckpointNotFoundError, match="step 4 is not a committed"):
             reader.warm(4, 0, 1)
         reader.close()
+
+
+async def test_a_load_built_while_read_is_handed_over_only_once_verified(tmp_path):
+    """load() is answered before the daemon reads: its segment is mapped (and its name
+    unlinked) and the values built meanwhile. Verified bytes come back, a generator with its
+    state; a corrupt byte is raised, and neither way leaves a load segment in /dev/shm."""
+    from _support.roots import flip_byte, manifest_of
+
+    from aiockpt._core import format as fmt
+
+    gen = torch.Generator().manual_seed(11)
+    state = {"w": torch.arange(50_000.0), "gen": gen, "n": 3}
+    root = str(tmp_path / "r")
+    async with AsyncCheckpointManager(root, dedup=False) as mgr:  # shards of their own
+        await (await mgr.save(1, state))
+        await (await mgr.save(2, state))
+    shard = manifest_of(root, 2)["shards"][0]
+    flip_byte(os.path.join(root, fmt.step_dirname(2), shard["file"]), shard["nbytes"] - 5)
+    before = {n for n in os.listdir("/dev/shm") if "-load-" in n}
+    async with AsyncCheckpointManager(root, read_only=True) as mgr:
+        loaded = await mgr.load(1)
+        assert torch.equal(loaded["w"], state["w"])
+        assert torch.equal(loaded["gen"].get_state(), gen.get_state())
+        assert loaded["n"] == 3
+        with pytest.raises(CorruptCheckpointError, match="crc32c"):
+            await mgr.load(2)
+        assert {n for n in os.listdir("/dev/shm") if "-load-" in n} == before

@@ -292,9 +292,20 @@ class _Early:
         self._pending: dict[str, tuple[_Plan, Callable[[], int]]] = {}
         self._outcomes: dict[str, tuple[_Plan, int, BaseException | None]] = {}
 
-    def answered(self, name: str, plan: _Plan, read: Callable[[], int]) -> None:
-        """Load ``name`` was answered: ``read`` reads and verifies its bytes (the bytes read)."""
+    def answer(
+        self,
+        name: str,
+        plan: _Plan,
+        read: Callable[[], int],
+        segment: str | None = None,
+        **fields: Any,
+    ) -> LoadReply:
+        """The early answer to load ``name`` (its bytes to be in the slab lent, or in
+        ``segment``, with ``fields``): ``read`` reads and verifies them (the bytes read)."""
         self._pending[name] = (plan, read)
+        return plan.reply(
+            segment=segment, tensors=plan.placed(), tree=plan.tree, pending=True, **fields
+        )
 
     def read(self) -> None:
         """Read the loads answered, keeping how each went."""
@@ -440,9 +451,10 @@ class Reader:
         the reply says where each tensor lies in the whole and what the windows are; with
         ``part`` i, window i is read into the slab, at its start.
 
-        With ``early`` (a name) and a slab large enough, or in windows with ``part`` None,
-        the reply comes before the bytes are read (see :class:`_Early`); ``collect`` with
-        that name answers once they are in (in windows: every window read and checked)."""
+        With ``early`` (a name), the reply comes before the bytes are read (into the slab,
+        or a new segment without a slab large enough; in windows, with ``part`` None; see
+        :class:`_Early`); ``collect`` with that name answers once they are in (in windows:
+        every window read and checked)."""
         if collect is not None:
             return self.early.collect(collect)
         key = (step, rank, world_size, wanted, select, select_required, window)
@@ -453,25 +465,23 @@ class Reader:
             windowed = _Windowed.of(plan, window)
             self._windowed = ((plan.step, *key[1:]), windowed)
             if early is not None and part is None:  # the checking pass, after the answer
-                check = functools.partial(self._load_windowed, windowed, slab, None)
-                self.early.answered(early, plan, lambda: check().read_nbytes)
-                return plan.reply(
-                    segment=None,
-                    tensors=plan.placed(),
-                    tree=plan.tree,
-                    windows=windowed.windows,
-                    pending=True,
-                )
+
+                def fill() -> int:
+                    return self._load_windowed(windowed, slab, None).read_nbytes
+
+                return self.early.answer(early, plan, fill, None, windows=windowed.windows)
             return self._load_windowed(windowed, slab, part)
         pooled = slab is not None and slab.size >= plan.size
         if slab is not None and pooled:
             seg = self.slabs.get(slab.name, slab.size)
             if early is not None:
-                self.early.answered(early, plan, functools.partial(self.read_all, plan, seg))
-                return plan.reply(segment=None, tensors=plan.placed(), tree=plan.tree, pending=True)
+                return self.early.answer(early, plan, functools.partial(self.read_all, plan, seg))
         else:
             seg = Segment.create(plan.size, kind="load", populate=False)
             self.load_segments.add(seg.name)
+            if early is not None:  # the trainer maps it and builds its values meanwhile
+                fill = functools.partial(self._read_fresh, plan, seg)
+                return self.early.answer(early, plan, fill, seg.name)
         try:
             read = self.read_all(plan, seg)
         except BaseException:
@@ -539,6 +549,14 @@ class Reader:
         _, m, _, shard, _, _ = self._shard(step, rank, world_size)
         if not m.dtensors:
             shard.checked()  # a plain load reads every record: see _wanted
+
+    def _read_fresh(self, plan: _Plan, seg: Segment) -> int:
+        """read_all into a new segment answered early: the trainer has its name (and unlinks
+        it once mapped), so this side only unmaps it, whatever the outcome."""
+        try:
+            return self.read_all(plan, seg)
+        finally:
+            seg.close()
 
     def read_all(self, plan: _Plan, seg: Segment) -> int:
         """Read and verify everything ``plan`` reads into ``seg``; the bytes read."""
