@@ -192,6 +192,94 @@ def test_collecting_a_load_never_answered_early_is_an_error(tmp_path):
             reader.load(None, 0, collect="x")
 
 
+class _FakePlan:
+    """What _Early uses of a load's plan: its reply, made here by ``make``."""
+
+    tree = None
+
+    def __init__(self, make):
+        self.make = make
+
+    def placed(self):
+        return {}
+
+    def reply(self, **fields):
+        return self.make(fields)
+
+
+def test_a_read_into_a_lent_slab_starts_before_its_answer_is_built():
+    """The read ahead runs while the answer is made; collecting gives its outcome."""
+    import threading
+
+    from aiockpt._daemon.reader import _Early
+
+    started = threading.Event()
+
+    def make(fields):
+        assert started.wait(10), "the read had not started while the answer was built"
+        return fields
+
+    def read():
+        started.set()
+        return 123
+
+    early = _Early()
+    answer = early.answer("a", _FakePlan(make), read, ahead=True)
+    assert answer["pending"] is True
+    early.read()
+    collected = early.collect("a")
+    assert collected["read_nbytes"] == 123
+
+
+def test_a_read_started_ahead_is_waited_for_when_its_answer_cannot_be_made():
+    """The trainer takes its slab back on hearing of the failure: nothing may still be
+    reading into it by then, and the load is forgotten."""
+    import threading
+    import time
+
+    from aiockpt._daemon.reader import _Early
+    from aiockpt.errors import CheckpointError
+
+    finished = []
+    started = threading.Event()
+
+    def make(fields):
+        started.wait(10)
+        raise RuntimeError("cannot make the answer")
+
+    def read():
+        started.set()
+        time.sleep(0.2)
+        finished.append(True)
+        return 1
+
+    early = _Early()
+    with pytest.raises(RuntimeError, match="cannot make the answer"):
+        early.answer("a", _FakePlan(make), read, ahead=True)
+    assert finished == [True]
+    early.read()
+    with pytest.raises(CheckpointError, match="no load named 'a' was answered early"):
+        early.collect("a")
+
+
+def test_a_read_not_ahead_waits_for_its_answer_to_be_sent():
+    """A read into a new segment is made only once the answer is out (the trainer faults
+    the segment in alongside it); one whose answer could not be sent is never made."""
+    from aiockpt._daemon.reader import _Early
+
+    reads = []
+    early = _Early()
+    early.answer("a", _FakePlan(lambda f: f), lambda: reads.append("a") or 5)
+    assert reads == []
+    early.read()
+    assert reads == ["a"]
+    assert early.collect("a")["read_nbytes"] == 5
+    early.answer("b", _FakePlan(lambda f: f), lambda: reads.append("b") or 5)
+    early.drop()  # its answer could not be sent
+    early.read()
+    assert reads == ["a"]
+
+
 def test_a_warmed_load_finds_its_manifest_parsed_and_checked(tmp_path, monkeypatch):
     """WarmReq does ahead what a load checks before it reads: the load after it parses no
     manifest and checks no tree again; a step that is not there is left for the load to

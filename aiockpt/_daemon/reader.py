@@ -286,11 +286,19 @@ class _Early:
     plan and how to read them until read, then their plan, the bytes read and what failed, until the
     trainer collects them. The reader thread reads them once their answers are sent (see
     Daemon.read_loop): the trainer plans its restore meanwhile (at 20k tensors the reply's
-    decoding, the views and the walk of the target, 0.1 s no longer after the read)."""
+    decoding, the views and the walk of the target, 0.1 s no longer after the read).
+
+    A read into a lent slab starts sooner, on a thread of its own, before its answer is built
+    and sent: at 20k tensors the answer's entries take tens of milliseconds to make and pickle,
+    and the read's requests release the GIL (later loads at 20k tensors: 324 ms against
+    352 ms, the mean of six runs' medians, alternating with the tree before). A read into a new
+    segment still waits for its answer, so that the trainer, which maps the segment once it
+    has the name, faults the fresh pages in alongside it rather than after it."""
 
     def __init__(self) -> None:
-        self._pending: dict[str, tuple[_Plan, Callable[[], int]]] = {}
+        self._pending: dict[str, tuple[_Plan, Callable[[], int] | Future[int]]] = {}
         self._outcomes: dict[str, tuple[_Plan, int, BaseException | None]] = {}
+        self._ahead = ThreadPoolExecutor(1, thread_name_prefix="aiockpt-early-read")
 
     def answer(
         self,
@@ -298,21 +306,41 @@ class _Early:
         plan: _Plan,
         read: Callable[[], int],
         segment: str | None = None,
+        *,
+        ahead: bool = False,
         **fields: Any,
     ) -> LoadReply:
         """The early answer to load ``name`` (its bytes to be in the slab lent, or in
-        ``segment``, with ``fields``): ``read`` reads and verifies them (the bytes read)."""
-        self._pending[name] = (plan, read)
-        return plan.reply(
-            segment=segment, tensors=plan.placed(), tree=plan.tree, pending=True, **fields
-        )
+        ``segment``, with ``fields``): ``read`` reads and verifies them (the bytes read).
+        With ``ahead``, the read starts now."""
+        self._pending[name] = (plan, self._ahead.submit(read) if ahead else read)
+        try:
+            return plan.reply(
+                segment=segment, tensors=plan.placed(), tree=plan.tree, pending=True, **fields
+            )
+        except BaseException:
+            self.drop()
+            raise
+
+    def drop(self) -> None:
+        """Forget the loads whose answers could not be sent: a read started ahead is waited
+        for (the trainer takes its slab back once it hears of the failure), the others are
+        never made."""
+        while self._pending:
+            _, (_, job) = self._pending.popitem()
+            if isinstance(job, Future):
+                job.exception()
 
     def read(self) -> None:
         """Read the loads answered, keeping how each went."""
         while self._pending:
-            name, (plan, read) = self._pending.popitem()
+            name, (plan, job) = self._pending.popitem()
             try:
-                self._outcomes[name] = (plan, read(), None)
+                self._outcomes[name] = (
+                    plan,
+                    job.result() if isinstance(job, Future) else job(),
+                    None,
+                )
             except BaseException as e:  # the trainer hears of it when it collects
                 self._outcomes[name] = (plan, 0, e)
 
@@ -475,7 +503,8 @@ class Reader:
         if slab is not None and pooled:
             seg = self.slabs.get(slab.name, slab.size)
             if early is not None:
-                return self.early.answer(early, plan, functools.partial(self.read_all, plan, seg))
+                fill = functools.partial(self.read_all, plan, seg)
+                return self.early.answer(early, plan, fill, ahead=True)
         else:
             seg = Segment.create(plan.size, kind="load", populate=False)
             self.load_segments.add(seg.name)

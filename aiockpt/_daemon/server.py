@@ -194,6 +194,7 @@ class Daemon:
             try:
                 self.outbox.send(reply)
             except Exception as e:  # e.g. a reply that cannot be pickled: never hang the caller
+                self.reader.early.drop()  # nor read into a slab it takes back on hearing this
                 self.outbox.send(Reply(req.id, error=remote_error(e)))
             self.reader.early.read()  # a load answered early reads its bytes now
 
