@@ -284,9 +284,10 @@ def cut_output(
 class _Early:
     """The loads answered before their bytes are read (see LoadReq.early), by name: their
     plan and how to read them until read, then their plan, the bytes read and what failed, until the
-    trainer collects them. The reader thread reads them once their answers are sent (see
-    Daemon.read_loop): the trainer plans its restore meanwhile (at 20k tensors the reply's
-    decoding, the views and the walk of the target, 0.1 s no longer after the read).
+    trainer collects them. The reader thread reads them, or waits for a read started ahead,
+    once their answers are sent (see Daemon.read_loop): the trainer plans its restore
+    meanwhile (at 20k tensors the reply's decoding, the views and the walk of the target,
+    0.1 s no longer after the read).
 
     A read into a lent slab starts sooner, on a thread of its own, before its answer is built
     and sent: at 20k tensors the answer's entries take tens of milliseconds to make and pickle,
