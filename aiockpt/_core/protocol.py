@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: Bumped on any change to these messages; checked by both ends in the handshake.
-PROTOCOL = 11
+PROTOCOL = 12
 
 #: How a loaded tensor lies in shared memory: (safetensors dtype, shape, byte offset).
 TensorAt = tuple[str, tuple[int, ...], int]
@@ -274,6 +274,12 @@ class LoadReq(ReadReq):
     #: raises what failed (its reply's ``tensors`` and ``tree`` are empty).
     early: str | None = None
     collect: str | None = None
+    #: The length and sha256 of the safetensors header of the layout ``slab`` holds for the
+    #: state restored into: when the shard's head is that header and the load reads every
+    #: tensor of the shard, answered early, the daemon reads the tensors into the slab
+    #: where the file has them, so that they lie where the slab's views of that layout
+    #: are, and says so (``LoadReply.image``) instead of where each tensor lies.
+    image: tuple[int, bytes] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,6 +305,9 @@ class LoadReply:
     windows: tuple[tuple[int, int], ...] = ()
     #: Answered early (see LoadReq.early): the bytes are still to be read.
     pending: bool = False
+    #: The tensors lie in the lent slab where the shard's file has them, as the layout of
+    #: ``LoadReq.image`` places them; ``tensors`` is then empty.
+    image: bool = False
 
 
 @dataclass(frozen=True, slots=True)

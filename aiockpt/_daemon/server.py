@@ -153,6 +153,7 @@ class Daemon:
             part=req.part,
             early=req.early,
             collect=req.collect,
+            image=req.image,
         )
 
     def _warm(self, req: WarmReq) -> None:

@@ -130,14 +130,7 @@ class Loader:
         except (CheckpointError, StaleFlat):
             pass  # not a savable state: read into a fresh segment instead
         held = {h.name: h for h in flat.dtensors} if flat is not None else {}
-        wanted: dict[str, Wanted] = {
-            h.name: (
-                TORCH_TO_ST[h.tensor.dtype],
-                h.shape,
-                None if h.chunk is None else (h.chunk.offsets, h.chunk.sizes),
-            )
-            for h in held.values()
-        }
+        wanted = wanted_boxes(held)
         if layout is not None:
             window = self._pool.window_size(layout.file_size)
             if window is not None:  # staged in windows under staging_memory: loaded so too
@@ -154,6 +147,7 @@ class Loader:
                 select=keys,
                 select_required=required,
                 early=early,
+                image=layout.image if slab is not None and layout is not None else None,
             )
             scope = keys if required else None
             if reply.segment is not None:  # the slab was too small: read into a new segment
@@ -199,7 +193,9 @@ class Loader:
         """A load answered early (see LoadReq.early): the restore is planned against views of
         the slab while the daemon reads into it, everything checked and nothing changed, and
         carried out once the daemon says every checksum passed. What is handed over rather
-        than copied in place gets a tensor of its own, filled from the slab then."""
+        than copied in place gets a tensor of its own, filled from the slab then. When the
+        daemon reads the shard as it lies in the file (LoadReply.image), the views are the
+        slab's own views of ``layout``, made once for its saves."""
         # (own tensor, its source) pairs: the views' first, then those of what is handed
         # over, which may be one of the former.
         fills: tuple[list[Any], list[Any]] = ([], [])
@@ -207,13 +203,15 @@ class Loader:
         failed: list[Exception] = []
 
         def plan() -> Any:
-            tensors = views(slab.u8, reply.tensors, fills[0])
+            # The save views, for the save after this load (a resumed run's first): 0.13 s
+            # at 20k tensors, here while the daemon reads.
+            own = slab.prepare(layout, write=False)
+            if reply.image:
+                tensors = image_views(layout, own, fills[0])
+            else:
+                tensors = views(slab.u8, reply.tensors, fills[0])
             fresh = _Later(tensors, fills[1])
-            restorer = plan_restore(into, reply.tree, tensors, fresh, held, strict, scope)
-            # The save views too, for the save after this load (a resumed run's first):
-            # 0.13 s at 20k tensors, here while the daemon reads.
-            slab.prepare(layout, write=False)
-            return restorer
+            return plan_restore(into, reply.tree, tensors, fresh, held, strict, scope)
 
         async def planner() -> None:
             try:
@@ -320,6 +318,19 @@ class Loader:
             self._pool.close_windows(slabs, list(slabs))
         _say_left_out(reply, restored, required)
         return reply, restored.value
+
+
+def wanted_boxes(held: dict[str, Any]) -> dict[str, Wanted]:
+    """What each DTensor of a target (dtensor.Held, by key path) wants of a load: its dtype,
+    global shape and this rank's box (None: it holds none)."""
+    return {
+        h.name: (
+            TORCH_TO_ST[h.tensor.dtype],
+            h.shape,
+            None if h.chunk is None else (h.chunk.offsets, h.chunk.sizes),
+        )
+        for h in held.values()
+    }
 
 
 async def plan_while_checked(
@@ -771,16 +782,39 @@ def views(
         cuts.append((ST_TO_TORCH[dtype_name], shape, start, math.prod(shape) * itemsize))
     for (name, (dtype_name, shape, _)), part in zip(by_offset, typed_views(u8, cuts), strict=True):
         if dtype_name == "U8" and len(shape) == 1 and part.numel() <= _RNG_STATE_BYTES:
-            # An RNG state, likely: torch.set_rng_state and Generator.set_state read the
-            # tensor's storage from its start, whatever its offset, so it gets its own.
-            if later is None:
-                part = part.clone()
-            else:
-                own = torch.empty_like(part)
-                later.append((own, part))
-                part = own
+            part = _own_memory(part, later)
         tensors[name] = part
     return tensors
+
+
+@no_gc
+def image_views(
+    layout: Layout, own: list[torch.Tensor], later: list[tuple[torch.Tensor, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
+    """The tensors of a load read into a slab as the shard's file has them (LoadReply.image):
+    ``own``, the slab's views of ``layout`` in flatten order, by name; what gets memory of
+    its own is left empty and paired in ``later`` with its view, as in views."""
+    specs = layout.specs
+    tensors: dict[str, torch.Tensor] = {}
+    for j, part in zip(layout.order, own, strict=True):
+        spec = specs[j]
+        if spec.dtype == "U8" and len(spec.shape) == 1 and part.numel() <= _RNG_STATE_BYTES:
+            part = _own_memory(part, later)
+        tensors[spec.name] = part
+    return tensors
+
+
+def _own_memory(
+    part: torch.Tensor, later: list[tuple[torch.Tensor, torch.Tensor]] | None
+) -> torch.Tensor:
+    """``part``, an RNG state likely, in memory of its own: torch.set_rng_state and
+    Generator.set_state read the tensor's storage from its start, whatever its offset. With
+    ``later`` (the bytes not read yet) it is left empty, paired there with ``part``."""
+    if later is None:
+        return part.clone()
+    own = torch.empty_like(part)
+    later.append((own, part))
+    return own
 
 
 #: 1-D byte tensors up to this size come back owning their memory (see views): every torch

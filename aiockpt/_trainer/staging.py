@@ -8,6 +8,7 @@ fresh shared memory costs a page fault per page, a warm slab only the copy.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 import operator
@@ -45,6 +46,9 @@ class Layout:
     dtypes: tuple[torch.dtype, ...]
     #: The state's DTensors, as the daemon is told of them.
     dtensors: tuple[DTensorEntry, ...] = ()
+    #: The sha256 of ``header``: a load whose shard has this head can read the shard into a
+    #: slab of this layout as it lies in the file (LoadReq.image).
+    digest: bytes = b""
 
     @property
     def data_start(self) -> int:
@@ -55,6 +59,12 @@ class Layout:
     def file_size(self) -> int:
         """The shard file's size in bytes."""
         return self.data_start + (self.specs[-1].end if self.specs else 0)
+
+    @property
+    def image(self) -> tuple[int, bytes]:
+        """The header's length and sha256, as a load into a slab of this layout asks with
+        (LoadReq.image)."""
+        return self.data_start, self.digest
 
     def message(self) -> LayoutMsg:
         """The layout as the daemon is sent it."""
@@ -143,7 +153,10 @@ def make_layout(flat: Flat) -> Layout:
         )
         for h in flat.dtensors
     )
-    return Layout(next(_layout_ids), header, tuple(specs), tuple(where), shapes, dtypes, entries)
+    digest = hashlib.sha256(header).digest()
+    return Layout(
+        next(_layout_ids), header, tuple(specs), tuple(where), shapes, dtypes, entries, digest
+    )
 
 
 class Slab:
