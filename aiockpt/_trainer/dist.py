@@ -2,12 +2,13 @@
 
 Only tiny collectives run here, on the caller's thread and in program order (a collective issued
 from another thread could interleave with the trainer's own and hang both): one all_gather of
-(step, uuid, error) per save, and barriers around start-up cleanup.
+a few bytes per save (see agree), and barriers around start-up cleanup.
 """
 
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,21 @@ class Group:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.pg)
         return out
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data``, by rank, when it is as long on every rank: one all_gather of
+        a byte tensor, where all_gather_object runs two (the sizes, then the pickles) and
+        pickles (4 gloo ranks on 2 cores: 4.2-4.6 ms against 8.2-8.5 ms)."""
+        import torch
+        import torch.distributed as dist
+
+        # The device torch's object collectives use for this group: CPU for gloo, the
+        # current GPU for a group that is NCCL alone.
+        device = torch.device(dist.distributed_c10d._get_object_coll_device(self.pg))
+        mine = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(out, mine, group=self.pg)
+        return [bytes(t.cpu().numpy()) for t in out]
 
     def barrier(self) -> None:
         """Wait until every rank gets here."""
@@ -61,6 +77,11 @@ def resolve_group(process_group: Any) -> Group | None:
     return Group(pg, rank, world, tuple(dist.get_process_group_ranks(pg)))
 
 
+#: A rank's say in a save (see agree): the step, whether it refused, its uuid and the
+#: signature of its DTensors.
+_SAY = struct.Struct("<q?16s16s")
+
+
 def agree(
     group: Group,
     step: Any,
@@ -69,14 +90,24 @@ def agree(
     dtensors: Sequence[Any] = (),
 ) -> str:
     """Check every rank saves the same step without error, and the same DTensors (dtensor.Held)
-    where they hold them; return the save's common uuid."""
-    signature = _signature(dtensors) if error is None else None
-    mine = (step if isinstance(step, int) else repr(step), uuid, _describe(error), signature)
-    everyone = group.all_gather(mine)
-    if error is not None:
-        raise error
-    failed = {r: why for r, (_, _, why, _) in enumerate(everyone) if why is not None}
-    if failed:
+    where they hold them; return the save's common uuid (rank 0's).
+
+    One all_gather of :data:`_SAY` per save; only when a rank refused, or the DTensors
+    differ, does a second one gather what each rank has to say, at once (so that every
+    rank runs it, in the same order)."""
+    refused = error is not None
+    mine = _SAY.pack(
+        -1 if refused else step,
+        refused,
+        bytes.fromhex(uuid),
+        bytes(16) if refused else _signature(dtensors),
+    )
+    everyone = [_SAY.unpack(said) for said in group.all_gather_bytes(mine)]
+    if any(r for _, r, _, _ in everyone):
+        whys = group.all_gather(_describe(error))
+        if error is not None:
+            raise error
+        failed = {r: why for r, why in enumerate(whys) if why is not None}
         raise DistributedSaveError(
             f"the save of step {step} was refused on rank(s) {sorted(failed)}: "
             + "; ".join(f"rank {r}: {why}" for r, why in sorted(failed.items())),
@@ -91,7 +122,7 @@ def agree(
     if len({sig for _, _, _, sig in everyone}) != 1:
         # Rare, so only now the details: every rank learns the same offending key.
         _refuse_disagreement(group, group.all_gather(_details(dtensors)))
-    return everyone[0][1]
+    return everyone[0][2].hex()
 
 
 def check_meshes(group: Group, dtensors: Sequence[Any]) -> None:
@@ -108,10 +139,10 @@ def check_meshes(group: Group, dtensors: Sequence[Any]) -> None:
             )
 
 
-def _signature(dtensors: Sequence[Any]) -> str:
+def _signature(dtensors: Sequence[Any]) -> bytes:
     """A digest of what a rank holds of its DTensors that every rank must agree on."""
     text = repr([_fact(h) for h in dtensors])
-    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
 
 def _fact(h: Any) -> tuple:
