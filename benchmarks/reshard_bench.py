@@ -17,9 +17,12 @@ function of its global index, so each loading rank checks that its shards came b
 bit-identical. Figures:
 
 - save: the stall (until ``await mgr.save`` returns) ÷ one memcpy of the rank's local bytes
-  in the same process, both after a barrier on every rank at once; DCP's blocking save;
+  in the same process, the medians of as many of each, taken in turns (a memcpy, then a
+  save), each after a barrier on every rank at once; DCP's blocking save;
 - load: wall time of the slowest rank (page cache dropped before each, after a barrier),
-  aiockpt ÷ DCP, for the first load of a fresh process (a resume) and the later ones;
+  aiockpt ÷ DCP, for the first load of a fresh process (a resume) and the later ones; each
+  contender's load job runs ``--rounds`` times, the contenders taking turns, and the first
+  load is the median of the rounds' (one per fresh set of processes);
 - bytes read per rank ÷ bytes the rank needs (its local shards): what aiockpt's ``load.end``
   event reports (``read_nbytes``), and for both contenders ``rchar`` of ``/proc/PID/io``
   (bytes passed through read syscalls, of the trainer and, for aiockpt, of its daemon too,
@@ -203,22 +206,27 @@ def mismatches(state: dict[str, Any]) -> list[str]:
     return bad
 
 
-def memcpy_s(state: dict[str, Any], repeats: int) -> float:
-    """The best of ``repeats`` copies of this rank's local bytes into a warm buffer, every
-    rank copying at once (as every rank saves at once)."""
-    import torch
-    import torch.distributed as dist
+class Memcpy:
+    """One copy of this rank's local bytes into a warm buffer, timed after a barrier (every
+    rank copying at once, as every rank saves at once): taken before each measured save, so
+    that the floor and the save are measured in the same conditions and compared median to
+    median."""
 
-    src = torch.cat([t.reshape(-1).view(torch.uint8) for t in local_tensors(state)])
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # faults the destination in
-    times = []
-    for _ in range(repeats):
+    def __init__(self, state: dict[str, Any]) -> None:
+        import torch
+
+        self.src = torch.cat([t.reshape(-1).view(torch.uint8) for t in local_tensors(state)])
+        self.dst = torch.empty_like(self.src)
+        self.dst.copy_(self.src)  # faults the destination in
+        self.times: list[float] = []
+
+    def __call__(self) -> None:
+        import torch.distributed as dist
+
         dist.barrier()
         t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return min(times)
+        self.dst.copy_(self.src)
+        self.times.append(time.perf_counter() - t0)
 
 
 def proc_io(pid: int | str = "self") -> dict[str, int]:
@@ -242,41 +250,47 @@ def drop_before_load(rank: int, path: str, cache: str) -> str:
 
 
 async def save_aiockpt(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
-    """A memcpy, a warm-up save, then the measured saves: stall and until committed."""
+    """A warm-up save, then the measured saves, each after a memcpy: stall and until
+    committed."""
     import torch.distributed as dist
 
     from aiockpt import AsyncCheckpointManager
 
     state = build_state(world, cfg, fill=True)
-    out: dict[str, Any] = {"memcpy_s": memcpy_s(state, 3), "local_bytes": needed_bytes(state)}
+    memcpy = Memcpy(state)
     stalls, durables = [], []
     async with AsyncCheckpointManager(cfg["root"], dist_timeout=cfg["timeout"]) as mgr:
         await (await mgr.save(0, state))  # warm-up: slab allocated, layout cached
         for step in range(1, cfg["repeats"] + 1):
+            memcpy()
             dist.barrier()
             t0 = time.perf_counter()
             handle = await mgr.save(step, state)
             stalls.append(time.perf_counter() - t0)
             await handle
             durables.append(time.perf_counter() - t0)
-    return {**out, "stall_s": stalls, "durable_s": durables}
+    saved = {"stall_s": stalls, "durable_s": durables}
+    return {"memcpy_s": memcpy.times, "local_bytes": needed_bytes(state), **saved}
 
 
 async def save_dcp(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
-    """A memcpy, a warm-up save, then the measured ``dcp.save`` calls (they block)."""
+    """A warm-up save, then the measured ``dcp.save`` calls (they block), each after a
+    memcpy."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     state = build_state(world, cfg, fill=True)
-    out: dict[str, Any] = {"memcpy_s": memcpy_s(state, 3), "local_bytes": needed_bytes(state)}
+    memcpy = Memcpy(state)
     dcp.save(state, checkpoint_id=os.path.join(cfg["root"], "warm-up"))
     times = []
     for step in range(1, cfg["repeats"] + 1):
+        memcpy()
         dist.barrier()
         t0 = time.perf_counter()
         dcp.save(state, checkpoint_id=os.path.join(cfg["root"], f"step-{step}"))
         times.append(time.perf_counter() - t0)
-    return {**out, "stall_s": times, "durable_s": times}
+    saved = {"stall_s": times, "durable_s": times}
+    return {"memcpy_s": memcpy.times, "local_bytes": needed_bytes(state), **saved}
 
 
 async def load_aiockpt(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -606,17 +620,19 @@ def wait_all(procs: list[subprocess.Popen], deadline: float) -> tuple[str, int]:
 
 
 def summarise_save(job: dict[str, Any]) -> dict[str, Any]:
-    """The slowest rank's stall and durable time, and the worst stall ÷ memcpy of a rank."""
+    """The slowest rank's stall and durable time, and the worst stall ÷ memcpy of a rank
+    (medians of each)."""
     if job["status"] != "ok":
         return job
     ranks = job["ranks"]
     stalls = [statistics.median(r["stall_s"]) for r in ranks]
+    memcpys = [statistics.median(r["memcpy_s"]) for r in ranks]
     return {
         "status": "ok",
         "stall_s": max(stalls),
         "durable_s": max(statistics.median(r["durable_s"]) for r in ranks),
-        "memcpy_s": [r["memcpy_s"] for r in ranks],
-        "stall_over_memcpy": max(s / r["memcpy_s"] for s, r in zip(stalls, ranks, strict=True)),
+        "memcpy_s": memcpys,
+        "stall_over_memcpy": max(s / m for s, m in zip(stalls, memcpys, strict=True)),
         "local_bytes": [r["local_bytes"] for r in ranks],
         "elapsed_s": job["elapsed_s"],
         "ranks": ranks,
@@ -684,34 +700,62 @@ def state_config(nbytes: int, quick: bool) -> dict[str, Any]:
 
 
 def reshard_part(opts: argparse.Namespace, scratch: str) -> dict[str, Any]:
-    """Part 1: every layout, every contender, each a save job and a load job."""
+    """Part 1: every layout; per layout each contender's save job, then ``opts.rounds`` rounds
+    of load jobs, the contenders taking turns (so that a disk slower for a while slows both)."""
     state = state_config(opts.nbytes, opts.quick)
     cfg = {**state, "repeats": opts.repeats, "cache": opts.cache, "timeout": opts.timeout}
     need = int(state["nbytes"] * RANK_MEM_FACTOR) + GiB
     results: dict[str, Any] = {}
     for saved_on, loaded_on in LAYOUTS:
         key = f"{saved_on}to{loaded_on}"
-        results[key] = {}
+        entries: dict[str, Any] = {}
+        jobs: dict[str, dict[str, Any]] = {}  # the contenders saved, to load
         for c in CONTENDERS:
-            print(f"  reshard {saved_on} → {loaded_on} ranks  {LABELS[c]:<14}", end="", flush=True)
             root = os.path.join(scratch, f"{c}-{key}")
             if mem_available() < need:
                 why = f"needs ~{need / GiB:.1f} GiB, {mem_available() / GiB:.1f} GiB available"
-                results[key][c] = {"save": {"status": "skipped", "why": why}}
-                print(f" skipped: {why}")
+                entries[c] = {"save": {"status": "skipped", "why": why}}
                 continue
             job = {**cfg, "root": root}
-            save = summarise_save(run_job(f"save_{c}", saved_on, job, root, opts.timeout))
-            entry: dict[str, Any] = {"save": save}
-            if save["status"] == "ok":
-                load_cfg = {**job, "step": opts.repeats}
-                entry["load"] = summarise_load(
-                    run_job(f"load_{c}", loaded_on, load_cfg, root, opts.timeout)
+            entries[c] = {
+                "save": summarise_save(run_job(f"save_{c}", saved_on, job, root, opts.timeout))
+            }
+            if entries[c]["save"]["status"] == "ok":
+                jobs[c] = {**job, "step": opts.repeats}
+        rounds: dict[str, list[dict[str, Any]]] = {c: [] for c in jobs}
+        for _ in range(opts.rounds):
+            for c, job in jobs.items():
+                rounds[c].append(
+                    summarise_load(run_job(f"load_{c}", loaded_on, job, job["root"], opts.timeout))
                 )
-            shutil.rmtree(root, ignore_errors=True)
-            results[key][c] = entry
-            print(" " + brief(entry))
+        for c, job in jobs.items():
+            entries[c]["load"] = merge_rounds(rounds[c])
+            shutil.rmtree(job["root"], ignore_errors=True)
+        for c, entry in entries.items():
+            print(f"  reshard {saved_on} → {loaded_on} ranks  {LABELS[c]:<14} {brief(entry)}")
+        results[key] = entries
     return {"state": state, "layouts": results}
+
+
+def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One contender's load jobs (each summarise_load's) as one: the median of the rounds'
+    first loads, of every later load, and of the rounds' bytes ratios; the first failed
+    round instead, if one failed."""
+    failed = [r for r in rounds if r["status"] != "ok"]
+    if failed:
+        return failed[0]
+    later = [x["load_s"] for r in rounds for x in r["loads"][1:]]
+    out: dict[str, Any] = {
+        "status": "ok",
+        "first_load_s": statistics.median(r["first_load_s"] for r in rounds),
+        "first_loads_s": [r["first_load_s"] for r in rounds],
+        "later_load_s": statistics.median(later) if later else None,
+    }
+    for key in ("rchar_over_needed", "disk_over_needed", "counted_over_needed"):
+        vals = [r[key] for r in rounds if r[key] is not None]
+        out[key] = statistics.median(vals) if vals else None
+    mismatched = sorted({m for r in rounds for m in r["mismatched"]})
+    return {**out, "identical": not mismatched, "mismatched": mismatched[:10], "rounds": rounds}
 
 
 def brief(entry: dict[str, Any]) -> str:
@@ -886,6 +930,7 @@ def options(args: argparse.Namespace) -> argparse.Namespace:
     quick = bool(getattr(args, "quick", False))
     size_mib = getattr(args, "size_mib", None)
     repeats = getattr(args, "repeats", None) or (1 if quick else 3)
+    rounds = getattr(args, "rounds", None) or (1 if quick else 3)
     # Four ranks each import torch and build their model on a loaded machine: a job needs
     # more than compare.py's per-contender limit of a quick run.
     timeout = max(getattr(args, "timeout", None) or 0, 120.0 if quick else 300.0)
@@ -894,6 +939,7 @@ def options(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(
         quick=quick,
         repeats=repeats,
+        rounds=rounds,
         timeout=timeout,
         nbytes=nbytes,
         cache=getattr(args, "cache", None) or "global",
@@ -923,6 +969,7 @@ def run(args: argparse.Namespace, out_dir: Path, base: Path) -> dict[str, Any]:
         "config": {
             "quick": opts.quick,
             "repeats": opts.repeats,
+            "rounds": opts.rounds,
             "timeout_s": opts.timeout,
             "cache": opts.cache,
             "filesystem": fs_type(str(base)),
@@ -953,6 +1000,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="32 MiB of state, 16-64 ranks planned")
     p.add_argument("--parts", default="reshard,plan", help="reshard (real ranks), plan, or both")
     p.add_argument("--repeats", type=int, default=None, help="measured saves and loads per job")
+    p.add_argument("--rounds", type=int, default=None, help="load jobs per contender (3)")
     p.add_argument("--size-mib", type=int, default=None, help="the state's size (1024)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per job")
     p.add_argument("--cache", choices=("global", "files", "warm"), default="global")
