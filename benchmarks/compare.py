@@ -263,6 +263,19 @@ class Sampler:
         return out
 
 
+def raw_read(path: str, buf: Any) -> None:
+    """The floor of a load: one buffered read of the whole file ``path`` into ``buf`` (a uint8
+    tensor, faulted in beforehand, like the tensors ``load(into=...)`` copies into)."""
+    mv = memoryview(buf.numpy())
+    with open(path, "rb", buffering=0) as f:
+        n = 0
+        while n < len(mv):
+            got = f.readinto(mv[n:])
+            if not got:
+                break
+            n += got
+
+
 def timed(fn: Callable[[], Any], repeats: int, before: Callable[[], Any] | None = None) -> dict:
     times = []
     for _ in range(repeats):
@@ -432,17 +445,7 @@ def work_aiockpt(
             def drop() -> None:
                 how.append(drop_cache([shard], cache))
 
-            def raw_read() -> None:
-                mv = memoryview(raw[0].numpy())
-                with open(shard, "rb", buffering=0) as f:
-                    n = 0
-                    while n < len(mv):
-                        got = f.readinto(mv[n:])
-                        if not got:
-                            break
-                        n += got
-
-            loads: dict[str, Any] = {"raw_read": timed(raw_read, reps, drop)}
+            loads: dict[str, Any] = {"raw_read": timed(lambda: raw_read(shard, raw[0]), reps, drop)}
             raw.clear()  # the raw read's buffer is not the loads' memory
             for name, kwargs in (("into_existing", {"into": state}), ("fresh", {})):
                 times = []

@@ -24,23 +24,12 @@ import anyio
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compare import raw_read
 from dedup_load_bench import drop_cache
 
 from aiockpt import AsyncCheckpointManager
 from aiockpt._core import format as fmt
 from aiockpt._trainer import staging
-
-
-def raw_read(path: str, buf: torch.Tensor) -> None:
-    """One buffered read of the whole file into memory faulted in beforehand."""
-    mv = memoryview(buf.numpy())
-    with open(path, "rb", buffering=0) as f:
-        n = 0
-        while n < len(mv):
-            got = f.readinto(mv[n:])
-            if not got:
-                break
-            n += got
 
 
 async def run(args: argparse.Namespace, root: str) -> dict[str, list[float]]:
