@@ -48,7 +48,7 @@ def test_a_refusal_is_told_in_a_second_gather_and_raised_as_itself(group):
     assert calls == ["all_gather", "all_gather_object"]
 
 
-def test_what_a_rank_says_is_the_same_few_bytes_whatever_it_holds():
+def test_what_a_rank_says_packs_into_41_bytes():
     said = _dist._SAY.pack(7, False, bytes(16), _dist._signature([]))
     assert len(said) == _dist._SAY.size == 41
     assert _dist._SAY.unpack(said)[:2] == (7, False)
