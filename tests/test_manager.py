@@ -384,10 +384,7 @@ def test_a_failed_check_waits_for_the_others_before_the_segment_is_unmapped(tmp_
     BufferError instead of the corrupt tensor's error)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from aiockpt._core.catalog import Catalog
-    from aiockpt._daemon.reader import Reader
-    from aiockpt._daemon.shared import Slabs
-    from aiockpt.storage import LocalStorage
+    from aiockpt._daemon.reader import _Checks
 
     finished = []
 
@@ -399,10 +396,10 @@ def test_a_failed_check_waits_for_the_others_before_the_segment_is_unmapped(tmp_
         raise CorruptCheckpointError("tensor 'a' failed its crc32c check")
 
     with ThreadPoolExecutor(2) as pool:
-        reader = Reader(Catalog(LocalStorage(str(tmp_path))), Slabs(), pool)
-        reader._checks = [pool.submit(corrupt), pool.submit(slow)]
+        checks = _Checks(pool)
+        checks.futures = [pool.submit(corrupt), pool.submit(slow)]
         with pytest.raises(CorruptCheckpointError, match="tensor 'a'"):
-            reader._wait_checks()
+            checks.wait()
         assert finished == [True]
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: Bumped on any change to these messages; checked by both ends in the handshake.
-PROTOCOL = 12
+PROTOCOL = 13
 
 #: How a loaded tensor lies in shared memory: (safetensors dtype, shape, byte offset).
 TensorAt = tuple[str, tuple[int, ...], int]
@@ -280,6 +280,12 @@ class LoadReq(ReadReq):
     #: where the file has them, so that they lie where the slab's views of that layout
     #: are, and says so (``LoadReply.image``) instead of where each tensor lies.
     image: tuple[int, bytes] | None = None
+    #: A load in windows copied as each is read (``load(into=..., atomic=False)``): with
+    #: ``part`` None the reply says where each tensor lies and what the windows are, and
+    #: nothing is read; the windows are then asked for in order, each checked as it is read
+    #: (a tensor cut by windows once its last is in), and read where they lie in the whole
+    #: load when ``slab`` holds all of it, at its start otherwise.
+    stream: bool = False
 
 
 @dataclass(frozen=True, slots=True)

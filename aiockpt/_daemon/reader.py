@@ -10,6 +10,7 @@ lies.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import difflib
 import functools
 import hashlib
@@ -278,32 +279,53 @@ class _Plan(NamedTuple):
         )
 
 
+@dataclasses.dataclass
+class _Stream:
+    """A streamed load's windows (see LoadReq.stream): the next one due, the running crc32c
+    of each tensor cut by the windows read so far, and whether each window is read where
+    it lies in the whole load (the lent slab holds all of it) or at the slab's start."""
+
+    at_place: bool
+    next: int = 0
+    crcs: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
 class _Windowed(NamedTuple):
-    """A load's plan cut into windows (see cut_output), and the window each box is in."""
+    """A load's plan cut into windows (see cut_output), the window each box is in, and a
+    streamed load's progress."""
 
     plan: _Plan
     windows: tuple[tuple[int, int], ...]
     box_window: dict[str, int]
+    stream: _Stream | None = None
 
     @classmethod
-    def of(cls, plan: _Plan, window: int) -> _Windowed:
+    def of(cls, plan: _Plan, window: int, stream: _Stream | None = None) -> _Windowed:
+        if stream is not None and stream.at_place:  # no cap to keep: a box is never refused
+            window = max([window, *(b.numel * fmt.DTYPE_SIZES[d] for _, d, b in plan.boxes)])
         windows = cut_output(plan.size, window, plan.boxes, plan.out_at)
         starts = [w[0] for w in windows]
         at = {name: bisect.bisect_right(starts, plan.out_at[name]) - 1 for name, _, _ in plan.boxes}
-        return cls(plan, windows, at)
+        return cls(plan, windows, at, stream)
 
 
 def _check_split(
-    seg: Segment, where: str, split: Tensors, shift: int, a: int, b: int, crcs: dict[str, int]
+    seg: Segment,
+    where: str,
+    split: Tensors,
+    shift: int,
+    first: int,
+    end: int,
+    crcs: dict[str, int],
 ) -> None:
-    """Fold the bytes of each tensor of ``split`` that window [a, b) holds (in ``seg`` from
-    its start; a file offset minus ``shift`` is its place there) into its running crc32c in
+    """Fold the bytes of each tensor of ``split`` that a window holds (at [first, end) of
+    ``seg``; a file offset minus ``shift`` is its place there) into its running crc32c in
     ``crcs``; check a tensor's once its last bytes are in."""
     for name, r in split:
-        lo, hi = max(r.start - shift, 0), min(r.end - shift, b - a)
+        lo, hi = max(r.start - shift, first), min(r.end - shift, end)
         with seg.buf[lo:hi] as piece:
             crcs[name] = crc32c.crc32c(piece, crcs.get(name, 0))
-        if r.end - shift <= b - a and crcs.pop(name) != r.crc32c:
+        if r.end - shift <= end and crcs.pop(name) != r.crc32c:
             raise CorruptCheckpointError(
                 f"{where}: tensor {name!r} failed its crc32c check", path=where, key=name
             )
@@ -573,6 +595,56 @@ def assemble(
     return assembler
 
 
+class _Checks:
+    """The crc32c checks of a load's bytes, run on ``pool`` while the next piece is read."""
+
+    def __init__(self, pool: ThreadPoolExecutor) -> None:
+        self.pool = pool
+        self.futures: list[Future[Any]] = []
+
+    def read_verified(
+        self,
+        storage: Any,
+        seg: Segment,
+        smap: ShardMap,
+        items: Tensors,
+        span: tuple[int, int],
+        base: int,
+        where: str,
+    ) -> None:
+        """Read bytes ``span`` [lo, hi) of the shard into ``seg`` at ``base`` and start
+        checking the crc32c of each of ``items`` (the tensors in the range) as the read goes
+        by (see wait)."""
+        lo, hi = span
+        by_end = sorted(items, key=lambda item: item[1].end)
+        shift = lo - base  # a file offset minus this is its place in seg
+        done = 0
+        for off in range(0, hi - lo, LOAD_CHUNK):
+            end = min(off + LOAD_CHUNK, hi - lo)
+            with seg.buf[base + off : base + end] as out:
+                smap.readinto(storage, lo + off, out)
+            first = done
+            while done < len(by_end) and by_end[done][1].end - lo <= end:
+                done += 1
+            self.futures.append(
+                self.pool.submit(check_crcs, seg, by_end[first:done], shift, where, smap)
+            )
+        if done < len(by_end):  # empty tensors past the last byte read
+            rest = by_end[done:]
+            self.futures.append(self.pool.submit(check_crcs, seg, rest, shift, where, smap))
+
+    def wait(self, *, quiet: bool = False) -> None:
+        """Wait for the checks started; raise the first failure (unless ``quiet``)."""
+        checks, self.futures = self.futures, []
+        failure = None
+        for check in checks:  # every one waited for: none may run on a segment closed next
+            error = check.exception()
+            if failure is None and error is not None and not quiet:
+                failure = error
+        if failure is not None:
+            raise failure
+
+
 class Reader:
     """Serves loads from a root: into a slab the trainer lends, or into new segments that the
     trainer takes over (their names are kept, to be unlinked when the daemon exits)."""
@@ -583,7 +655,7 @@ class Reader:
         self.slabs = slabs
         self.pool = pool
         self.load_segments: set[str] = set()
-        self._checks: list[Future[Any]] = []
+        self._checks = _Checks(pool)
         #: The manifest (as the catalog keeps it) and rank whose tree was checked last.
         self._tree_checked: tuple[fmt.Manifest, int] | None = None
         #: The last load in windows checked whole, by its request's fields: the windows the
@@ -609,6 +681,7 @@ class Reader:
         early: str | None = None,
         collect: str | None = None,
         image: tuple[int, bytes] | None = None,
+        stream: bool = False,
     ) -> LoadReply:
         """Read and verify a rank's tensors of ``step`` (the latest when None) into shared
         memory: into the trainer's ``slab`` when given and large enough, else into a new
@@ -624,23 +697,23 @@ class Reader:
         With ``early`` (a name), the reply comes before the bytes are read (into the slab,
         or a new segment without a slab large enough; in windows, with ``part`` None; see
         :class:`_Early`); ``collect`` with that name answers once they are in (in windows:
-        every window read and checked); ``image``: see :func:`read_as_image`."""
+        every window read and checked); ``image``: see :func:`read_as_image`.
+
+        With ``stream`` (and ``window``), ``part`` None reads nothing: the reply says where
+        each tensor lies and what the windows are, which the trainer then asks for in order,
+        each read and checked on its own, a tensor cut by windows by its running crc32c
+        once its last window is in. A slab that holds the whole load gets each window where
+        it lies in it, so that one window is read while the one before is copied out."""
         if collect is not None:
             return self.early.collect(collect)
-        key = (step, rank, world_size, wanted, select, select_required, window)
+        key = (step, rank, world_size, wanted, select, select_required, window, stream)
         if part is not None and self._windowed is not None and self._windowed[0] == key:
             return self._load_windowed(self._windowed[1], slab, part)
+        if stream and part is not None:
+            raise ValueError(f"window {part} of a streamed load that was not started")
         plan = self._plan(step, rank, world_size, wanted, select, select_required)
         if window:
-            windowed = _Windowed.of(plan, window)
-            self._windowed = ((plan.step, *key[1:]), windowed)
-            if early is not None and part is None:  # the checking pass, after the answer
-
-                def fill() -> int:
-                    return self._load_windowed(windowed, slab, None).read_nbytes
-
-                return self.early.answer(early, plan, fill, None, windows=windowed.windows)
-            return self._load_windowed(windowed, slab, part)
+            return self._windows(plan, key, slab, window, part, early, stream)
         pooled = slab is not None and slab.size >= plan.size
         if slab is not None and pooled:
             seg = self.slabs.get(slab.name, slab.size)
@@ -735,16 +808,18 @@ class Reader:
         head = 0
         try:
             if plan.whole is not None:
-                head = read_whole(self.storage, self.pool, self._checks, seg, plan)
+                head = read_whole(self.storage, self.pool, self._checks.futures, seg, plan)
             else:
                 for (lo, hi, items), base in zip(plan.ranges, plan.bases, strict=True):
-                    self._read_verified(seg, plan.smap, items, lo, hi, base, plan.where)
-            self._wait_checks()
+                    self._checks.read_verified(
+                        self.storage, seg, plan.smap, items, (lo, hi), base, plan.where
+                    )
+            self._checks.wait()
             assembled = assemble(
                 self.catalog, self.pool, plan.m, plan.step, plan.boxes, plan.out_at, seg
             )
         except BaseException:
-            self._wait_checks(quiet=True)
+            self._checks.wait(quiet=True)
             raise
         read = head + sum(hi - lo for lo, hi, _ in plan.ranges)
         return read + (assembled.read_bytes if assembled else 0)
@@ -757,22 +832,56 @@ class Reader:
             fmt.check_tree(m.trees[rank], set(shard), path=where, dtensor_names=set(m.dtensors))
             self._tree_checked = (m, rank)
 
+    def _windows(
+        self,
+        plan: _Plan,
+        key: tuple[Any, ...],
+        slab: SlabRef | None,
+        window: int,
+        part: int | None,
+        early: str | None,
+        stream: bool,
+    ) -> LoadReply:
+        """A load in windows (see load), planned: kept by its request's fields (``key``)."""
+        whole = slab is not None and slab.size >= plan.size
+        windowed = _Windowed.of(plan, window, _Stream(whole) if stream else None)
+        self._windowed = ((plan.step, *key[1:]), windowed)
+        if stream:  # nothing read yet: the windows are asked for one at a time
+            windows = windowed.windows
+            return plan.reply(segment=None, tensors=plan.placed(), tree=plan.tree, windows=windows)
+        if early is not None and part is None:  # the checking pass, after the answer
+
+            def fill() -> int:
+                return self._load_windowed(windowed, slab, None).read_nbytes
+
+            return self.early.answer(early, plan, fill, None, windows=windowed.windows)
+        return self._load_windowed(windowed, slab, part)
+
     def _load_windowed(
         self, windowed: _Windowed, slab: SlabRef | None, part: int | None
     ) -> LoadReply:
         """A load through ``slab`` in windows (see load): all of them read and checked when
         ``part`` is None, else window ``part`` read."""
         assert slab is not None
-        plan, windows = windowed.plan, windowed.windows
+        plan, windows, stream = windowed.plan, windowed.windows, windowed.stream
         seg = self.slabs.get(slab.name, slab.size)
         todo = range(len(windows)) if part is None else [part]
         crcs: dict[str, int] | None = {} if part is None else None
+        if stream is not None:
+            if part != stream.next:
+                raise ValueError(
+                    f"the windows of a streamed load are read in order: {stream.next} is "
+                    f"next, not {part}"
+                )
+            stream.next += 1
+            crcs = stream.crcs
         read = 0
         try:
             for i in todo:
-                read += self._fill(seg, plan, windows, i, windowed.box_window, crcs)
+                origin = 0 if stream is not None and stream.at_place else windows[i][0]
+                read += self._fill(seg, plan, windows, i, windowed.box_window, crcs, origin)
         finally:
-            self._wait_checks(quiet=True)
+            self._checks.wait(quiet=True)
         whole = part is None
         return plan.reply(
             segment=None,
@@ -790,12 +899,14 @@ class Reader:
         index: int,
         box_window: dict[str, int],
         crcs: dict[str, int] | None,
+        origin: int,
     ) -> int:
-        """Read window ``index`` of a windowed load's output into ``seg`` from its start and
-        check them: each tensor wholly in the window by its crc32c, each distributed box
-        as it is assembled. A tensor split between windows is checked when ``crcs`` (its
-        running crc32c by name, the windows filled in order) is given, that is in the pass
-        that reads them all; the bytes read."""
+        """Read window ``index`` of a windowed load's output into ``seg``, byte ``origin`` of
+        the output at its start (the window's own start, or 0 for a window read where it
+        lies), and check them: each tensor wholly in the window by its crc32c, each
+        distributed box as it is assembled. A tensor split between windows is checked when
+        ``crcs`` (its running crc32c by name, the windows filled in order) is given, that is
+        in the pass that reads them all or in a streamed load; the bytes read."""
         a, b = windows[index]
         read = 0
         for (lo, hi, items), base in zip(plan.ranges, plan.bases, strict=True):
@@ -811,62 +922,23 @@ class Reader:
                 elif o < b and e > a:
                     split.append((name, r))
             # Read in chunks, each one's whole tensors checked while the next is read.
-            self._read_verified(
-                seg, plan.smap, whole, lo + x - base, lo + y - base, x - a, plan.where
+            span = (lo + x - base, lo + y - base)
+            self._checks.read_verified(
+                self.storage, seg, plan.smap, whole, span, x - origin, plan.where
             )
             read += y - x
             if crcs is not None:
-                _check_split(seg, plan.where, split, lo - base + a, a, b, crcs)
+                shift = lo - base + origin
+                _check_split(seg, plan.where, split, shift, a - origin, b - origin, crcs)
         inside = [
             (name, dtype, box) for name, dtype, box in plan.boxes if box_window[name] == index
         ]
         if inside:
-            shifted = {name: plan.out_at[name] - a for name, _, _ in inside}
+            shifted = {name: plan.out_at[name] - origin for name, _, _ in inside}
             assembled = assemble(self.catalog, self.pool, plan.m, plan.step, inside, shifted, seg)
             read += assembled.read_bytes if assembled else 0
-        self._wait_checks()
+        self._checks.wait()
         return read
-
-    def _read_verified(
-        self,
-        seg: Segment,
-        smap: ShardMap,
-        items: Tensors,
-        lo: int,
-        hi: int,
-        base: int,
-        where: str,
-    ) -> None:
-        """Read bytes [lo, hi) of the shard into ``seg`` at ``base`` and start checking the
-        crc32c of each of ``items`` (the tensors in the range) as the read goes by; the
-        checks run on the pool while the next piece is read (see _wait_checks)."""
-        by_end = sorted(items, key=lambda item: item[1].end)
-        shift = lo - base  # a file offset minus this is its place in seg
-        done = 0
-        for off in range(0, hi - lo, LOAD_CHUNK):
-            end = min(off + LOAD_CHUNK, hi - lo)
-            with seg.buf[base + off : base + end] as out:
-                smap.readinto(self.storage, lo + off, out)
-            first = done
-            while done < len(by_end) and by_end[done][1].end - lo <= end:
-                done += 1
-            self._checks.append(
-                self.pool.submit(check_crcs, seg, by_end[first:done], shift, where, smap)
-            )
-        if done < len(by_end):  # empty tensors past the last byte read
-            rest = by_end[done:]
-            self._checks.append(self.pool.submit(check_crcs, seg, rest, shift, where, smap))
-
-    def _wait_checks(self, *, quiet: bool = False) -> None:
-        """Wait for the crc checks started; raise the first failure (unless ``quiet``)."""
-        checks, self._checks = self._checks, []
-        failure = None
-        for check in checks:  # every one waited for: none may run on a segment closed next
-            error = check.exception()
-            if failure is None and error is not None and not quiet:
-                failure = error
-        if failure is not None:
-            raise failure
 
     def close(self) -> None:
         """Unlink the segments of every load served: the trainer maps each one it takes over

@@ -154,6 +154,7 @@ class Daemon:
             early=req.early,
             collect=req.collect,
             image=req.image,
+            stream=req.stream,
         )
 
     def _warm(self, req: WarmReq) -> None:

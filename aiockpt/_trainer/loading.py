@@ -38,6 +38,10 @@ from .state import (
     unflatten,
 )
 
+#: The windows of a streamed load (``load(into=..., atomic=False)``) without a cap: each is
+#: copied out while the next is read, so the last one's copy is what the load adds to the read.
+STREAM_WINDOW = 64 << 20
+
 #: Asks the daemon for this rank's load's bytes: the fields of a LoadReq but its rank and
 #: world size (``step``, ``slab``: a slab lent to read into when large enough, else a fresh
 #: segment; ``wanted``: the box of each distributed tensor restored into a DTensor, the others
@@ -71,6 +75,7 @@ class Loader:
         into: Any,
         strict: bool = True,
         keys: tuple[str, ...] | None = None,
+        atomic: bool = True,
     ) -> Any:
         """See AsyncCheckpointManager.load."""
         op = uuid_mod.uuid4().hex
@@ -90,7 +95,7 @@ class Loader:
                     # (see WarmReq): 0.1 s of a process's first load at 20k tensors, hidden
                     # behind 0.2 s of flattening the target and making its layout.
                     await self._warm(step)
-                reply, result = await self._load_into(step, into, strict, keys, required)
+                reply, result = await self._load_into(step, into, strict, keys, required, atomic)
         except BaseException as e:
             self._emit("load.exception", uuid=op, step=step, error=e)
             raise
@@ -111,6 +116,7 @@ class Loader:
         strict: bool,
         keys: tuple[str, ...] | None,
         required: bool,
+        atomic: bool,
     ) -> tuple[LoadReply, Any]:
         """Restore into existing objects, reading through a warm staging slab when one fits.
 
@@ -118,7 +124,8 @@ class Loader:
         the shard straight into it (no fresh shared memory to fault in) and the copy out
         into the targets is the only other pass over the bytes. The daemon says where the
         tensors will lie before it reads them, so the restore is planned meanwhile (see
-        _restore_while_read).
+        _restore_while_read). Not ``atomic``, the bytes come in windows, each copied out
+        while the next is read (see _windowed).
         """
         slab = None
         init_optimizer_states(into)
@@ -135,11 +142,15 @@ class Loader:
             window = self._pool.window_size(layout.file_size)
             if window is not None:  # staged in windows under staging_memory: loaded so too
                 return await self._load_windows(
-                    step, into, strict, keys, required, held, wanted, window
+                    step, into, strict, keys, required, held, wanted, window, atomic
                 )
             slab = await self._pool.acquire(layout.file_size, layout.id)
         early = uuid_mod.uuid4().hex if slab is not None else None
         try:
+            if slab is not None and not atomic:
+                self._pool.reuse_for_load(slab)
+                args = (step, into, strict, keys, required, held, wanted)
+                return await self._windowed(*args, STREAM_WINDOW, (slab,), stream=True)
             reply = await self._lending(
                 step=step,
                 slab=SlabRef(slab.name, slab.size) if slab is not None else None,
@@ -258,66 +269,122 @@ class Loader:
         held: dict[str, Any],
         wanted: dict[str, Wanted],
         window: int,
+        atomic: bool,
     ) -> tuple[LoadReply, Any]:
         """Restore into existing objects through two window slabs of the staging pool, so a
-        load stays under ``staging_memory`` as a save does.
-
-        The daemon first reads every window and checks every checksum (the target is left
-        untouched if any fails), then reads them again one at a time, each copied into the
-        targets while the next is read into the other slab: a capped load reads its bytes
-        twice. The restore is planned during the first pass (the daemon answers with where
-        the tensors lie before it reads, as in _restore_while_read). What a restore hands
-        over rather than copies in place (a module's or optimizer's state dict) is read
-        into tensors of its own, as an uncapped load's is.
-        """
+        load stays under ``staging_memory`` as a save does (see _windowed)."""
         slabs = await self._pool.acquire_windows(window)
         try:
             for slab in slabs:
                 self._pool.reuse_for_load(slab)
-            ask = {"wanted": wanted or None, "select": keys, "select_required": required}
-            refs = [SlabRef(slab.name, slab.size) for slab in slabs]
-            name = uuid_mod.uuid4().hex
-            reply = await self._lending(step=step, slab=refs[0], window=window, early=name, **ask)
-            scope = keys if required else None
-            plan = await plan_while_checked(self._lending, reply, name, into, held, strict, scope)
-
-            async def fetch(i: int, failed: list[Exception]) -> None:
-                try:
-                    await self._lending(
-                        step=reply.step, slab=refs[i % 2], window=window, part=i, **ask
-                    )
-                except Exception as e:  # raised as it is, not in a group
-                    failed.append(e)
-
-            try:
-                n = len(reply.windows)
-                failed: list[Exception] = []
-                if n:
-                    await fetch(0, failed)
-                for i, span in enumerate(reply.windows):
-                    if failed:
-                        raise failed[0]
-                    async with anyio.create_task_group() as tg:
-                        if i + 1 < n:
-                            tg.start_soon(fetch, i + 1, failed)
-                        try:
-                            await anyio.to_thread.run_sync(plan.copy_window, slabs[i % 2].u8, span)
-                        except Exception as e:
-                            failed.insert(0, e)
-                if failed:
-                    raise failed[0]
-                restored = await anyio.to_thread.run_sync(plan.finish)
-            except BaseException:
-                logger.error(
-                    "load(into=) of step %d stopped while copying its windows, after every "
-                    "checksum had passed: the target may be partly restored",
-                    reply.step,
-                )
-                raise
+            args = (step, into, strict, keys, required, held, wanted)
+            return await self._windowed(*args, window, slabs, stream=not atomic)
         finally:
             self._pool.close_windows(slabs, list(slabs))
+
+    async def _windowed(
+        self,
+        step: int | None,
+        into: Any,
+        strict: bool,
+        keys: tuple[str, ...] | None,
+        required: bool,
+        held: dict[str, Any],
+        wanted: dict[str, Wanted],
+        window: int,
+        slabs: tuple[Slab, ...],
+        stream: bool,
+    ) -> tuple[LoadReply, Any]:
+        """A load whose bytes come a window at a time through ``slabs``, each window copied
+        into the targets while the daemon reads the next (into the other slab, or where it
+        lies in the one slab that holds the whole load).
+
+        Atomic (not ``stream``), the daemon first reads every window and checks every
+        checksum (the target is left untouched if any fails), then reads them again: a
+        capped load reads its bytes twice. Streamed, each window is read once and checked
+        as it is read, so a failure after the first copy leaves the target partly restored.
+        The restore is planned while the daemon reads (the checking pass, or the first
+        window), and checks everything before the first copy. What a restore hands over
+        rather than copies in place (a module's or optimizer's state dict) is read into
+        tensors of its own, as an uncapped load's is.
+        """
+        ask: dict[str, Any] = {"wanted": wanted or None, "select": keys, "window": window}
+        ask |= {"select_required": required, "stream": stream}
+        name = uuid_mod.uuid4().hex  # the checking pass's, answered early (not streamed)
+        first = SlabRef(slabs[0].name, slabs[0].size)
+        reply = await self._lending(step=step, slab=first, early=None if stream else name, **ask)
+        reads = _Windows(self._lending, slabs, ask, reply)
+        scope = keys if required else None
+        if stream:  # planned while the first window is read
+            plan = await plan_while_first_read(reads, into, held, strict, scope)
+        else:
+            plan = await plan_while_checked(self._lending, reply, name, into, held, strict, scope)
+            await reads.first()
+        try:
+            await reads.copy_into(plan)
+            restored = await anyio.to_thread.run_sync(plan.finish)
+        except BaseException:
+            if reads.copied or not stream:
+                logger.error(
+                    "load(into=) of step %d stopped while copying its windows%s: the target "
+                    "may be partly restored",
+                    reply.step,
+                    "" if stream else ", after every checksum had passed",
+                )
+            raise
         _say_left_out(reply, restored, required)
         return reply, restored.value
+
+
+class _Windows:
+    """The windows of one load (see Loader._windowed), read by the daemon through ``slabs``:
+    each fetched while the one before is copied out, what failed kept to be raised as it is
+    (not in a group), the read's failure first."""
+
+    def __init__(
+        self, lending: Read, slabs: tuple[Slab, ...], ask: dict[str, Any], reply: LoadReply
+    ) -> None:
+        self._lending, self._slabs, self._ask, self.reply = lending, slabs, ask, reply
+        self._refs = [SlabRef(slab.name, slab.size) for slab in slabs]
+        self.failed: list[Exception] = []
+        self.copied = False
+
+    async def fetch(self, i: int) -> None:
+        slab = self._refs[i % len(self._refs)]
+        try:
+            await self._lending(step=self.reply.step, slab=slab, part=i, **self._ask)
+        except Exception as e:
+            self.failed.append(e)
+
+    async def first(self) -> None:
+        if self.reply.windows:
+            await self.fetch(0)
+
+    async def copy_into(self, plan: WindowedRestore) -> None:
+        """Copy every window into ``plan``'s targets, the first fetched already."""
+        slabs, windows = self._slabs, self.reply.windows
+        # One slab that holds the whole load has each window where it lies (see
+        # LoadReq.stream), so the next is read while one is copied, as with two slabs;
+        # through one slab too small, each window waits for the copy of the one before.
+        at_place = len(slabs) == 1 and self.reply.size <= slabs[0].size
+        ahead = len(slabs) > 1 or at_place
+        for i, span in enumerate(windows):
+            if self.failed:
+                raise self.failed[0]
+            u8 = slabs[i % len(slabs)].u8
+            async with anyio.create_task_group() as tg:
+                if ahead and i + 1 < len(windows):
+                    tg.start_soon(self.fetch, i + 1)
+                try:
+                    self.copied = True
+                    window = u8[span[0] :] if at_place else u8
+                    await anyio.to_thread.run_sync(plan.copy_window, window, span)
+                except Exception as e:
+                    self.failed.insert(0, e)
+            if not ahead and i + 1 < len(windows):
+                await self.fetch(i + 1)
+        if self.failed:
+            raise self.failed[0]
 
 
 def wanted_boxes(held: dict[str, Any]) -> dict[str, Wanted]:
@@ -331,6 +398,34 @@ def wanted_boxes(held: dict[str, Any]) -> dict[str, Wanted]:
         )
         for h in held.values()
     }
+
+
+async def plan_while_first_read(
+    reads: _Windows,
+    into: Any,
+    held: dict[str, Any],
+    strict: bool,
+    scope: tuple[str, ...] | None,
+) -> WindowedRestore:
+    """The restore of a streamed load, planned while the daemon reads its first window
+    (nothing changes yet); raised, the read's failure first."""
+    planned: list[Any] = []
+
+    async def planner() -> None:
+        try:
+            args = (reads.reply, into, held, strict, scope)
+            planned.append(await anyio.to_thread.run_sync(WindowedRestore, *args))
+        except Exception as e:
+            planned.append(e)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(planner)
+        await reads.first()
+    for outcome in (*reads.failed, *planned):
+        if isinstance(outcome, Exception):
+            raise outcome
+    plan: WindowedRestore = planned[0]
+    return plan
 
 
 async def plan_while_checked(

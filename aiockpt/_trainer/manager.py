@@ -337,17 +337,25 @@ class AsyncCheckpointManager:
         into: Any = None,
         strict: bool = True,
         keys: str | Iterable[str] | None = None,
+        atomic: bool = True,
     ) -> Any:
         """The state saved at ``step`` (latest committed when None). With ``into``, restore in
         place into its tensors and stateful objects and return it: checked whole first (keys,
         shapes, dtypes; with ``strict`` the saved keys and ``into``'s must be the same), so a
         load that fails leaves ``into`` as it was. ``strict=False`` restores, and reads, only
         what both hold, and logs the rest. ``keys`` (key paths such as ``"model"`` or
-        ``"model/layers.3"``) reads and returns only what lies at or under them."""
+        ``"model/layers.3"``) reads and returns only what lies at or under them.
+
+        ``atomic=False`` lets a load into ``into`` copy the bytes as they are read and
+        checked, a window at a time, instead of once every checksum has passed: it reads a
+        capped load's bytes once instead of twice, and overlaps the copy with the read. A
+        mismatch is still found before anything changes; a corrupt byte or a storage error
+        found later leaves ``into`` partly restored."""
         self._check_open()
-        if not isinstance(strict, bool):
-            raise TypeError(f"strict must be a bool, not {type(strict).__name__}")
-        return await self._loader.load(step, into, strict, check_keys(keys))
+        for name, flag in (("strict", strict), ("atomic", atomic)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, not {type(flag).__name__}")
+        return await self._loader.load(step, into, strict, check_keys(keys), atomic)
 
 
 def lease_events(events: EventDispatcher, grant: LeaseGrant | None, url: str) -> None:

@@ -226,6 +226,9 @@ class CheckpointManager:
         into: Any = None,
         strict: bool = True,
         keys: str | Iterable[str] | None = None,
+        atomic: bool = True,
     ) -> Any:
         """The state saved at ``step`` (latest when None); see AsyncCheckpointManager.load."""
-        return self._call(self._async.load, step, into=into, strict=strict, keys=keys)
+        return self._call(
+            self._async.load, step, into=into, strict=strict, keys=keys, atomic=atomic
+        )

@@ -1,0 +1,259 @@
+"""load(into=..., atomic=False): the bytes come a window at a time, each read once, checked as
+it is read and copied while the next is read; with or without staging_memory."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import struct
+
+import anyio
+import pytest
+import torch
+from _support.roots import flip_byte, manifest_of
+from test_capped_loads import cap_of, record_parts, zeroed
+from test_staging_cap import assert_equal, mixed_state
+
+from aiockpt import AsyncCheckpointManager, CheckpointManager
+from aiockpt._core import format as fmt
+from aiockpt._trainer import loading
+from aiockpt.errors import CheckpointError, CorruptCheckpointError, LoadMismatchError
+
+MiB = 1 << 20
+WINDOW = 4 * MiB  # the uncapped streamed loads' window in these tests: mixed_state has 25
+
+
+@pytest.fixture
+def small_windows(monkeypatch) -> None:
+    monkeypatch.setattr(loading, "STREAM_WINDOW", WINDOW)
+
+
+def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(600, 700), torch.nn.Linear(700, 500))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(4, 600)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def save(root: str, state: dict) -> None:
+    async def main() -> None:
+        async with AsyncCheckpointManager(root) as mgr:
+            await (await mgr.save(1, state))
+
+    anyio.run(main)
+
+
+def shard_path(root: str) -> str:
+    return os.path.join(root, fmt.step_dirname(1), manifest_of(root, 1)["shards"][0]["file"])
+
+
+def data_offsets(root: str) -> dict[str, tuple[int, int]]:
+    """Where each tensor's bytes lie in the shard file, by name."""
+    with open(shard_path(root), "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return {
+        k: (8 + n + v["data_offsets"][0], 8 + n + v["data_offsets"][1]) for k, v in header.items()
+    }
+
+
+@pytest.mark.parametrize("cap", [None, 0.25], ids=["uncapped", "capped"])
+def test_a_streamed_load_reads_each_window_once_and_restores_bit_exact(
+    tmp_path, small_windows, cap
+) -> None:
+    """No checking pass and no collect: one request says where everything lies, then each
+    window is asked for once, in order. Uncapped, the windows lie where they belong in the
+    slab (read ahead of the copy); capped, they take turns in two slabs within the cap. A
+    module and an optimizer (handed their own tensors), a non-contiguous target, a scalar:
+    all restored."""
+    model, opt = model_and_optimizer()
+    state = {**mixed_state(), "net": model, "opt": opt}
+    want = {"net": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict())}
+    root = str(tmp_path / "r")
+    save(root, state)
+    fresh_model, _ = model_and_optimizer()
+    with torch.no_grad():
+        for p in fresh_model.parameters():
+            p.zero_()
+    fresh_opt = torch.optim.AdamW(fresh_model.parameters(), lr=0.5)
+    into = {**zeroed(mixed_state()), "net": fresh_model, "opt": fresh_opt, "step": 0}
+    staging = None if cap is None else cap_of(root, cap)
+
+    async def main() -> None:
+        async with AsyncCheckpointManager(root, staging_memory=staging, read_only=True) as mgr:
+            parts = record_parts(mgr)
+            assert await mgr.load(1, into=into, atomic=False) is into
+            if staging is not None:
+                assert 0 < mgr._pool.peak <= staging
+            assert mgr._pool.busy == 0
+        window = WINDOW if cap is None else staging // 2 // 4096 * 4096
+        assert parts[0] == (window, None)
+        assert [w for w, _ in parts] == [window] * len(parts)
+        assert [p for _, p in parts[1:]] == list(range(len(parts) - 1))
+        assert len(parts) - 1 >= 4
+
+    anyio.run(main)
+    assert_equal({k: into[k] for k in mixed_state()}, mixed_state())
+    assert_equal(fresh_model.state_dict(), want["net"])
+    got = fresh_opt.state_dict()
+    assert got["param_groups"] == want["opt"]["param_groups"]
+    for i, s in want["opt"]["state"].items():
+        assert_equal(got["state"][i], s)
+
+
+@pytest.mark.parametrize("cap", [None, 0.25], ids=["uncapped", "capped"])
+def test_a_corrupt_byte_in_the_first_window_fails_before_anything_changes(
+    tmp_path, small_windows, caplog, cap
+) -> None:
+    state = mixed_state()
+    root = str(tmp_path / "r")
+    save(root, state)
+    a, b = min(span for span in data_offsets(root).values() if span[1] > span[0])
+    flip_byte(shard_path(root), (a + min(b, a + 4096)) // 2)
+    into = zeroed(mixed_state())
+    staging = None if cap is None else cap_of(root, cap)
+
+    async def main() -> None:
+        async with AsyncCheckpointManager(root, staging_memory=staging, read_only=True) as mgr:
+            parts = record_parts(mgr)
+            with pytest.raises(CorruptCheckpointError, match="crc32c"):
+                await mgr.load(1, into=into, atomic=False)
+            assert [p for _, p in parts] == [None, 0]
+            assert mgr._pool.busy == 0
+
+    with caplog.at_level("ERROR", logger="aiockpt"):
+        anyio.run(main)
+    assert_equal(into, zeroed(mixed_state()))
+    assert "partly restored" not in caplog.text
+
+
+@pytest.mark.parametrize("cap", [None, 0.25], ids=["uncapped", "capped"])
+def test_a_corrupt_byte_mid_tensor_cut_by_windows_fails_and_says_the_target_is_partly_restored(
+    tmp_path, small_windows, caplog, cap
+) -> None:
+    """A tensor whose bytes lie in several windows is checked by its running crc32c once its
+    last window is in: the load fails naming it, after earlier windows were copied."""
+    state = mixed_state()
+    root = str(tmp_path / "r")
+    save(root, state)
+    a, b = data_offsets(root)["model/w1"]
+    assert b - a > 3 * WINDOW
+    flip_byte(shard_path(root), (a + b) // 2)
+    into = zeroed(mixed_state())
+    staging = None if cap is None else cap_of(root, cap)
+
+    async def main() -> None:
+        async with AsyncCheckpointManager(root, staging_memory=staging, read_only=True) as mgr:
+            parts = record_parts(mgr)
+            with pytest.raises(CorruptCheckpointError, match="model/w1.*crc32c"):
+                await mgr.load(1, into=into, atomic=False)
+            assert [p for _, p in parts][:3] == [None, 0, 1]
+            assert mgr._pool.busy == 0
+        # A later load starts the windows again and restores the same target whole.
+        flip_byte(shard_path(root), (a + b) // 2)
+        async with AsyncCheckpointManager(root, staging_memory=staging, read_only=True) as mgr:
+            await mgr.load(1, into=into, atomic=False)
+
+    with caplog.at_level("ERROR", logger="aiockpt"):
+        anyio.run(main)
+    assert "the target may be partly restored" in caplog.text
+    assert_equal(into, mixed_state())
+
+
+def test_a_streamed_load_that_does_not_match_changes_nothing(tmp_path, small_windows) -> None:
+    """Keys, shapes and dtypes are checked against the whole plan before the first copy."""
+    state = mixed_state()
+    root = str(tmp_path / "r")
+    save(root, state)
+    into = zeroed(mixed_state())
+    into["small"]["s5"] = torch.zeros(3, 3)
+
+    async def main() -> None:
+        async with AsyncCheckpointManager(root, read_only=True) as mgr:
+            with pytest.raises(LoadMismatchError, match="s5"):
+                await mgr.load(1, into=into, atomic=False)
+            assert mgr._pool.busy == 0
+
+    anyio.run(main)
+    want = zeroed(mixed_state())
+    want["small"]["s5"] = torch.zeros(3, 3)
+    assert_equal(into, want)
+
+
+def test_a_streamed_load_of_a_distributed_tensor_larger_than_a_window(
+    tmp_path, small_windows
+) -> None:
+    """Without a cap the windows grow to hold the largest box (a box is assembled whole):
+    nothing is refused."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    g = torch.Generator().manual_seed(2)
+    full = {f"d{i}": torch.randn(300 + i, 2001, generator=g) for i in range(6)}
+    full["big"] = torch.randn(2000, 2000, generator=g)  # 16 MB: more than a window
+    root = str(tmp_path / "r")
+
+    async def main() -> None:
+        mesh = init_device_mesh("cpu", (1,))
+
+        def state(values):
+            return {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in values.items()}
+
+        async with AsyncCheckpointManager(root) as mgr:
+            await (await mgr.save(1, state(full)))
+        into = state({k: torch.zeros_like(v) for k, v in full.items()})
+        async with AsyncCheckpointManager(root, read_only=True) as mgr:
+            parts = record_parts(mgr)
+            await mgr.load(1, into=into, atomic=False)
+        assert len(parts) > 2
+        assert_equal({k: v.full_tensor() for k, v in into.items()}, full)
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        anyio.run(main)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_windows_of_a_streamed_load_are_asked_for_in_order(tmp_path) -> None:
+    """The daemon refuses a window of a streamed load that was not started, or out of turn
+    (a running crc32c depends on the windows before it): the trainer never asks so, and the
+    daemon's failure says what it was asked."""
+    state = {"w": torch.arange(3 * MiB, dtype=torch.float32)}
+    root = str(tmp_path / "r")
+    save(root, state)
+
+    async def main() -> None:
+        async with AsyncCheckpointManager(root, read_only=True) as mgr:
+            slab = await mgr._pool.acquire(16 * MiB, None)
+            try:
+                ask = {"slab": loading.SlabRef(slab.name, slab.size), "stream": True}
+                ask["window"] = MiB
+                with pytest.raises(CheckpointError, match="ValueError: window 0 .* not started"):
+                    await mgr._read(step=1, part=0, **ask)
+                reply = await mgr._read(step=1, **ask)
+                assert len(reply.windows) == 12
+                await mgr._read(step=1, part=0, **ask)
+                with pytest.raises(CheckpointError, match="ValueError: .*1 is next, not 2"):
+                    await mgr._read(step=1, part=2, **ask)
+            finally:
+                mgr._pool.release(slab.name)
+
+    anyio.run(main)
+
+
+def test_atomic_is_a_bool_and_the_sync_manager_streams_too(tmp_path) -> None:
+    state = {"w": torch.randn(1000, 100), "step": 3}
+    root = str(tmp_path / "r")
+    save(root, state)
+    with CheckpointManager(root, read_only=True) as mgr:
+        with pytest.raises(TypeError, match="atomic must be a bool"):
+            mgr.load(1, into=state, atomic="no")
+        into = {"w": torch.zeros(1000, 100), "step": 0}
+        assert mgr.load(1, into=into, atomic=False)["step"] == 3
+    assert torch.equal(into["w"], state["w"])
