@@ -1,5 +1,5 @@
-"""load(into=..., atomic=False): the bytes come a window at a time, each read once, checked as
-it is read and copied while the next is read; with or without staging_memory."""
+"""load(into=..., atomic=False) under staging_memory: the bytes come a window at a time, each
+read once, checked as it is read and copied while the next is read into the other slab."""
 
 from __future__ import annotations
 
@@ -17,16 +17,15 @@ from test_staging_cap import assert_equal, mixed_state
 
 from aiockpt import AsyncCheckpointManager, CheckpointManager
 from aiockpt._core import format as fmt
-from aiockpt._trainer import loading
-from aiockpt.errors import CheckpointError, CorruptCheckpointError, LoadMismatchError
+from aiockpt._core.protocol import SlabRef
+from aiockpt.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    LoadMismatchError,
+    StagingMemoryError,
+)
 
 MiB = 1 << 20
-WINDOW = 4 * MiB  # the uncapped streamed loads' window in these tests: mixed_state has 25
-
-
-@pytest.fixture
-def small_windows(monkeypatch) -> None:
-    monkeypatch.setattr(loading, "STREAM_WINDOW", WINDOW)
 
 
 def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -61,15 +60,10 @@ def data_offsets(root: str) -> dict[str, tuple[int, int]]:
     }
 
 
-@pytest.mark.parametrize("cap", [None, 0.25], ids=["uncapped", "capped"])
-def test_a_streamed_load_reads_each_window_once_and_restores_bit_exact(
-    tmp_path, small_windows, cap
-) -> None:
+def test_a_streamed_load_reads_each_window_once_and_restores_bit_exact(tmp_path) -> None:
     """No checking pass and no collect: one request says where everything lies, then each
-    window is asked for once, in order. Uncapped, the windows lie where they belong in the
-    slab (read ahead of the copy); capped, they take turns in two slabs within the cap. A
-    module and an optimizer (handed their own tensors), a non-contiguous target, a scalar:
-    all restored."""
+    window is asked for once, in order, within the cap. A module and an optimizer (handed
+    their own tensors), a non-contiguous target, a scalar: all restored."""
     model, opt = model_and_optimizer()
     state = {**mixed_state(), "net": model, "opt": opt}
     want = {"net": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict())}
@@ -81,16 +75,15 @@ def test_a_streamed_load_reads_each_window_once_and_restores_bit_exact(
             p.zero_()
     fresh_opt = torch.optim.AdamW(fresh_model.parameters(), lr=0.5)
     into = {**zeroed(mixed_state()), "net": fresh_model, "opt": fresh_opt, "step": 0}
-    staging = None if cap is None else cap_of(root, cap)
+    staging = cap_of(root, 0.25)
 
     async def main() -> None:
         async with AsyncCheckpointManager(root, staging_memory=staging, read_only=True) as mgr:
             parts = record_parts(mgr)
             assert await mgr.load(1, into=into, atomic=False) is into
-            if staging is not None:
-                assert 0 < mgr._pool.peak <= staging
+            assert 0 < mgr._pool.peak <= staging
             assert mgr._pool.busy == 0
-        window = WINDOW if cap is None else staging // 2 // 4096 * 4096
+        window = staging // 2 // 4096 * 4096
         assert parts[0] == (window, None)
         assert [w for w, _ in parts] == [window] * len(parts)
         assert [p for _, p in parts[1:]] == list(range(len(parts) - 1))
@@ -105,20 +98,18 @@ def test_a_streamed_load_reads_each_window_once_and_restores_bit_exact(
         assert_equal(got["state"][i], s)
 
 
-@pytest.mark.parametrize("cap", [None, 0.25], ids=["uncapped", "capped"])
-def test_a_corrupt_byte_in_the_first_window_fails_before_anything_changes(
-    tmp_path, small_windows, caplog, cap
-) -> None:
+def test_a_corrupt_byte_in_the_first_window_fails_before_anything_changes(tmp_path, caplog) -> None:
     state = mixed_state()
     root = str(tmp_path / "r")
     save(root, state)
     a, b = min(span for span in data_offsets(root).values() if span[1] > span[0])
     flip_byte(shard_path(root), (a + min(b, a + 4096)) // 2)
     into = zeroed(mixed_state())
-    staging = None if cap is None else cap_of(root, cap)
 
     async def main() -> None:
-        async with AsyncCheckpointManager(root, staging_memory=staging, read_only=True) as mgr:
+        async with AsyncCheckpointManager(
+            root, staging_memory=cap_of(root, 0.25), read_only=True
+        ) as mgr:
             parts = record_parts(mgr)
             with pytest.raises(CorruptCheckpointError, match="crc32c"):
                 await mgr.load(1, into=into, atomic=False)
@@ -131,20 +122,19 @@ def test_a_corrupt_byte_in_the_first_window_fails_before_anything_changes(
     assert "partly restored" not in caplog.text
 
 
-@pytest.mark.parametrize("cap", [None, 0.25], ids=["uncapped", "capped"])
 def test_a_corrupt_byte_mid_tensor_cut_by_windows_fails_and_says_the_target_is_partly_restored(
-    tmp_path, small_windows, caplog, cap
+    tmp_path, caplog
 ) -> None:
     """A tensor whose bytes lie in several windows is checked by its running crc32c once its
     last window is in: the load fails naming it, after earlier windows were copied."""
     state = mixed_state()
     root = str(tmp_path / "r")
     save(root, state)
+    staging = cap_of(root, 0.25)
     a, b = data_offsets(root)["model/w1"]
-    assert b - a > 3 * WINDOW
+    assert b - a > staging  # more than two windows: cut by two at least
     flip_byte(shard_path(root), (a + b) // 2)
     into = zeroed(mixed_state())
-    staging = None if cap is None else cap_of(root, cap)
 
     async def main() -> None:
         async with AsyncCheckpointManager(root, staging_memory=staging, read_only=True) as mgr:
@@ -152,6 +142,7 @@ def test_a_corrupt_byte_mid_tensor_cut_by_windows_fails_and_says_the_target_is_p
             with pytest.raises(CorruptCheckpointError, match="model/w1.*crc32c"):
                 await mgr.load(1, into=into, atomic=False)
             assert [p for _, p in parts][:3] == [None, 0, 1]
+            assert 0 < mgr._pool.peak <= staging
             assert mgr._pool.busy == 0
         # A later load starts the windows again and restores the same target whole.
         flip_byte(shard_path(root), (a + b) // 2)
@@ -164,7 +155,7 @@ def test_a_corrupt_byte_mid_tensor_cut_by_windows_fails_and_says_the_target_is_p
     assert_equal(into, mixed_state())
 
 
-def test_a_streamed_load_that_does_not_match_changes_nothing(tmp_path, small_windows) -> None:
+def test_a_streamed_load_that_does_not_match_changes_nothing(tmp_path) -> None:
     """Keys, shapes and dtypes are checked against the whole plan before the first copy."""
     state = mixed_state()
     root = str(tmp_path / "r")
@@ -173,7 +164,9 @@ def test_a_streamed_load_that_does_not_match_changes_nothing(tmp_path, small_win
     into["small"]["s5"] = torch.zeros(3, 3)
 
     async def main() -> None:
-        async with AsyncCheckpointManager(root, read_only=True) as mgr:
+        async with AsyncCheckpointManager(
+            root, staging_memory=cap_of(root, 0.25), read_only=True
+        ) as mgr:
             with pytest.raises(LoadMismatchError, match="s5"):
                 await mgr.load(1, into=into, atomic=False)
             assert mgr._pool.busy == 0
@@ -184,18 +177,41 @@ def test_a_streamed_load_that_does_not_match_changes_nothing(tmp_path, small_win
     assert_equal(into, want)
 
 
-def test_a_streamed_load_of_a_distributed_tensor_larger_than_a_window(
-    tmp_path, small_windows
+def test_a_load_that_fits_its_slab_is_atomic_either_way(tmp_path, caplog) -> None:
+    """Without a cap (or under one the shard fits) nothing is copied before every checksum
+    passed, atomic=False or not: a byte flipped in the last tensor leaves the target as it
+    was."""
+    state = mixed_state()
+    root = str(tmp_path / "r")
+    save(root, state)
+    flip_byte(shard_path(root), max(data_offsets(root).values())[1] - 3)
+    into = zeroed(mixed_state())
+
+    async def main() -> None:
+        async with AsyncCheckpointManager(root, read_only=True) as mgr:
+            parts = record_parts(mgr)
+            with pytest.raises(CorruptCheckpointError, match="crc32c"):
+                await mgr.load(1, into=into, atomic=False)
+            assert all(window == 0 for window, _ in parts)
+
+    with caplog.at_level("ERROR", logger="aiockpt"):
+        anyio.run(main)
+    assert_equal(into, zeroed(mixed_state()))
+    assert "partly restored" not in caplog.text
+
+
+def test_a_streamed_load_of_distributed_tensors_refuses_a_box_too_big_up_front(
+    tmp_path,
 ) -> None:
-    """Without a cap the windows grow to hold the largest box (a box is assembled whole):
-    nothing is refused."""
+    """A DTensor's box is assembled whole, in one window: one larger than a window is a
+    StagingMemoryError before anything changes, the others stream."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     g = torch.Generator().manual_seed(2)
     full = {f"d{i}": torch.randn(300 + i, 2001, generator=g) for i in range(6)}
-    full["big"] = torch.randn(2000, 2000, generator=g)  # 16 MB: more than a window
+    full["big"] = torch.randn(2000, 2000, generator=g)  # 16 MB: more than a 5 MiB window
     root = str(tmp_path / "r")
 
     async def main() -> None:
@@ -206,11 +222,19 @@ def test_a_streamed_load_of_a_distributed_tensor_larger_than_a_window(
 
         async with AsyncCheckpointManager(root) as mgr:
             await (await mgr.save(1, state(full)))
-        into = state({k: torch.zeros_like(v) for k, v in full.items()})
-        async with AsyncCheckpointManager(root, read_only=True) as mgr:
+        zeros = {k: torch.zeros_like(v) for k, v in full.items()}
+        async with AsyncCheckpointManager(root, staging_memory=10 * MiB, read_only=True) as mgr:
             parts = record_parts(mgr)
-            await mgr.load(1, into=into, atomic=False)
-        assert len(parts) > 2
+            into = state(zeros)
+            with pytest.raises(StagingMemoryError, match="big: its 16000000 bytes"):
+                await mgr.load(1, into=into, atomic=False)
+            assert_equal({k: v.full_tensor() for k, v in into.items()}, zeros)
+            del zeros["big"]
+            into = state(zeros)
+            await mgr.load(1, into=into, strict=False, atomic=False)
+            assert len([p for _, p in parts if p is not None]) >= 2
+            assert mgr._pool.peak <= 10 * MiB
+        del full["big"]
         assert_equal({k: v.full_tensor() for k, v in into.items()}, full)
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
@@ -232,7 +256,7 @@ def test_windows_of_a_streamed_load_are_asked_for_in_order(tmp_path) -> None:
         async with AsyncCheckpointManager(root, read_only=True) as mgr:
             slab = await mgr._pool.acquire(16 * MiB, None)
             try:
-                ask = {"slab": loading.SlabRef(slab.name, slab.size), "stream": True}
+                ask = {"slab": SlabRef(slab.name, slab.size), "stream": True}
                 ask["window"] = MiB
                 with pytest.raises(CheckpointError, match="ValueError: window 0 .* not started"):
                     await mgr._read(step=1, part=0, **ask)
@@ -251,9 +275,11 @@ def test_atomic_is_a_bool_and_the_sync_manager_streams_too(tmp_path) -> None:
     state = {"w": torch.randn(1000, 100), "step": 3}
     root = str(tmp_path / "r")
     save(root, state)
-    with CheckpointManager(root, read_only=True) as mgr:
+    with CheckpointManager(root, staging_memory=128 * 1024, read_only=True) as mgr:
         with pytest.raises(TypeError, match="atomic must be a bool"):
             mgr.load(1, into=state, atomic="no")
+        parts = record_parts(mgr._async)
         into = {"w": torch.zeros(1000, 100), "step": 0}
         assert mgr.load(1, into=into, atomic=False)["step"] == 3
+        assert [p for _, p in parts] == [None, *range(len(parts) - 1)]
     assert torch.equal(into["w"], state["w"])

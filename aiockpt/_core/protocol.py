@@ -283,8 +283,7 @@ class LoadReq(ReadReq):
     #: A load in windows copied as each is read (``load(into=..., atomic=False)``): with
     #: ``part`` None the reply says where each tensor lies and what the windows are, and
     #: nothing is read; the windows are then asked for in order, each checked as it is read
-    #: (a tensor cut by windows once its last is in), and read where they lie in the whole
-    #: load when ``slab`` holds all of it, at its start otherwise.
+    #: (a tensor cut by windows once its last is in).
     stream: bool = False
 
 

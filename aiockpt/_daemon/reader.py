@@ -281,11 +281,9 @@ class _Plan(NamedTuple):
 
 @dataclasses.dataclass
 class _Stream:
-    """A streamed load's windows (see LoadReq.stream): the next one due, the running crc32c
-    of each tensor cut by the windows read so far, and whether each window is read where
-    it lies in the whole load (the lent slab holds all of it) or at the slab's start."""
+    """A streamed load's windows (see LoadReq.stream): the next one due, and the running
+    crc32c of each tensor cut by the windows read so far."""
 
-    at_place: bool
     next: int = 0
     crcs: dict[str, int] = dataclasses.field(default_factory=dict)
 
@@ -301,8 +299,6 @@ class _Windowed(NamedTuple):
 
     @classmethod
     def of(cls, plan: _Plan, window: int, stream: _Stream | None = None) -> _Windowed:
-        if stream is not None and stream.at_place:  # no cap to keep: a box is never refused
-            window = max([window, *(b.numel * fmt.DTYPE_SIZES[d] for _, d, b in plan.boxes)])
         windows = cut_output(plan.size, window, plan.boxes, plan.out_at)
         starts = [w[0] for w in windows]
         at = {name: bisect.bisect_right(starts, plan.out_at[name]) - 1 for name, _, _ in plan.boxes}
@@ -310,22 +306,16 @@ class _Windowed(NamedTuple):
 
 
 def _check_split(
-    seg: Segment,
-    where: str,
-    split: Tensors,
-    shift: int,
-    first: int,
-    end: int,
-    crcs: dict[str, int],
+    seg: Segment, where: str, split: Tensors, shift: int, a: int, b: int, crcs: dict[str, int]
 ) -> None:
-    """Fold the bytes of each tensor of ``split`` that a window holds (at [first, end) of
-    ``seg``; a file offset minus ``shift`` is its place there) into its running crc32c in
+    """Fold the bytes of each tensor of ``split`` that window [a, b) holds (in ``seg`` from
+    its start; a file offset minus ``shift`` is its place there) into its running crc32c in
     ``crcs``; check a tensor's once its last bytes are in."""
     for name, r in split:
-        lo, hi = max(r.start - shift, first), min(r.end - shift, end)
+        lo, hi = max(r.start - shift, 0), min(r.end - shift, b - a)
         with seg.buf[lo:hi] as piece:
             crcs[name] = crc32c.crc32c(piece, crcs.get(name, 0))
-        if r.end - shift <= end and crcs.pop(name) != r.crc32c:
+        if r.end - shift <= b - a and crcs.pop(name) != r.crc32c:
             raise CorruptCheckpointError(
                 f"{where}: tensor {name!r} failed its crc32c check", path=where, key=name
             )
@@ -702,8 +692,7 @@ class Reader:
         With ``stream`` (and ``window``), ``part`` None reads nothing: the reply says where
         each tensor lies and what the windows are, which the trainer then asks for in order,
         each read and checked on its own, a tensor cut by windows by its running crc32c
-        once its last window is in. A slab that holds the whole load gets each window where
-        it lies in it, so that one window is read while the one before is copied out."""
+        once its last window is in."""
         if collect is not None:
             return self.early.collect(collect)
         key = (step, rank, world_size, wanted, select, select_required, window, stream)
@@ -843,8 +832,7 @@ class Reader:
         stream: bool,
     ) -> LoadReply:
         """A load in windows (see load), planned: kept by its request's fields (``key``)."""
-        whole = slab is not None and slab.size >= plan.size
-        windowed = _Windowed.of(plan, window, _Stream(whole) if stream else None)
+        windowed = _Windowed.of(plan, window, _Stream() if stream else None)
         self._windowed = ((plan.step, *key[1:]), windowed)
         if stream:  # nothing read yet: the windows are asked for one at a time
             windows = windowed.windows
@@ -878,8 +866,7 @@ class Reader:
         read = 0
         try:
             for i in todo:
-                origin = 0 if stream is not None and stream.at_place else windows[i][0]
-                read += self._fill(seg, plan, windows, i, windowed.box_window, crcs, origin)
+                read += self._fill(seg, plan, windows, i, windowed.box_window, crcs)
         finally:
             self._checks.wait(quiet=True)
         whole = part is None
@@ -899,14 +886,12 @@ class Reader:
         index: int,
         box_window: dict[str, int],
         crcs: dict[str, int] | None,
-        origin: int,
     ) -> int:
-        """Read window ``index`` of a windowed load's output into ``seg``, byte ``origin`` of
-        the output at its start (the window's own start, or 0 for a window read where it
-        lies), and check them: each tensor wholly in the window by its crc32c, each
-        distributed box as it is assembled. A tensor split between windows is checked when
-        ``crcs`` (its running crc32c by name, the windows filled in order) is given, that is
-        in the pass that reads them all or in a streamed load; the bytes read."""
+        """Read window ``index`` of a windowed load's output into ``seg`` from its start and
+        check them: each tensor wholly in the window by its crc32c, each distributed box
+        as it is assembled. A tensor split between windows is checked when ``crcs`` (its
+        running crc32c by name, the windows filled in order) is given, that is in the pass
+        that reads them all, or in a streamed load; the bytes read."""
         a, b = windows[index]
         read = 0
         for (lo, hi, items), base in zip(plan.ranges, plan.bases, strict=True):
@@ -923,18 +908,15 @@ class Reader:
                     split.append((name, r))
             # Read in chunks, each one's whole tensors checked while the next is read.
             span = (lo + x - base, lo + y - base)
-            self._checks.read_verified(
-                self.storage, seg, plan.smap, whole, span, x - origin, plan.where
-            )
+            self._checks.read_verified(self.storage, seg, plan.smap, whole, span, x - a, plan.where)
             read += y - x
             if crcs is not None:
-                shift = lo - base + origin
-                _check_split(seg, plan.where, split, shift, a - origin, b - origin, crcs)
+                _check_split(seg, plan.where, split, lo - base + a, a, b, crcs)
         inside = [
             (name, dtype, box) for name, dtype, box in plan.boxes if box_window[name] == index
         ]
         if inside:
-            shifted = {name: plan.out_at[name] - origin for name, _, _ in inside}
+            shifted = {name: plan.out_at[name] - a for name, _, _ in inside}
             assembled = assemble(self.catalog, self.pool, plan.m, plan.step, inside, shifted, seg)
             read += assembled.read_bytes if assembled else 0
         self._checks.wait()

@@ -38,10 +38,6 @@ from .state import (
     unflatten,
 )
 
-#: The windows of a streamed load (``load(into=..., atomic=False)``) without a cap: each is
-#: copied out while the next is read, so the last one's copy is what the load adds to the read.
-STREAM_WINDOW = 64 << 20
-
 #: Asks the daemon for this rank's load's bytes: the fields of a LoadReq but its rank and
 #: world size (``step``, ``slab``: a slab lent to read into when large enough, else a fresh
 #: segment; ``wanted``: the box of each distributed tensor restored into a DTensor, the others
@@ -124,8 +120,8 @@ class Loader:
         the shard straight into it (no fresh shared memory to fault in) and the copy out
         into the targets is the only other pass over the bytes. The daemon says where the
         tensors will lie before it reads them, so the restore is planned meanwhile (see
-        _restore_while_read). Not ``atomic``, the bytes come in windows, each copied out
-        while the next is read (see _windowed).
+        _restore_while_read). Without a cap the load is atomic either way (see
+        AsyncCheckpointManager.load).
         """
         slab = None
         init_optimizer_states(into)
@@ -147,10 +143,6 @@ class Loader:
             slab = await self._pool.acquire(layout.file_size, layout.id)
         early = uuid_mod.uuid4().hex if slab is not None else None
         try:
-            if slab is not None and not atomic:
-                self._pool.reuse_for_load(slab)
-                args = (step, into, strict, keys, required, held, wanted)
-                return await self._windowed(*args, STREAM_WINDOW, (slab,), stream=True)
             reply = await self._lending(
                 step=step,
                 slab=SlabRef(slab.name, slab.size) if slab is not None else None,
@@ -292,21 +284,20 @@ class Loader:
         held: dict[str, Any],
         wanted: dict[str, Wanted],
         window: int,
-        slabs: tuple[Slab, ...],
+        slabs: tuple[Slab, Slab],
         stream: bool,
     ) -> tuple[LoadReply, Any]:
-        """A load whose bytes come a window at a time through ``slabs``, each window copied
-        into the targets while the daemon reads the next (into the other slab, or where it
-        lies in the one slab that holds the whole load).
+        """A load whose bytes come a window at a time, the two ``slabs`` taking turns: each
+        window is copied into the targets while the daemon reads the next into the other.
 
         Atomic (not ``stream``), the daemon first reads every window and checks every
-        checksum (the target is left untouched if any fails), then reads them again: a
-        capped load reads its bytes twice. Streamed, each window is read once and checked
-        as it is read, so a failure after the first copy leaves the target partly restored.
-        The restore is planned while the daemon reads (the checking pass, or the first
-        window), and checks everything before the first copy. What a restore hands over
-        rather than copies in place (a module's or optimizer's state dict) is read into
-        tensors of its own, as an uncapped load's is.
+        checksum (the target is left untouched if any fails), then reads them again: the
+        bytes are read twice. Streamed, each window is read once and checked as it is read,
+        so a failure after the first copy leaves the target partly restored. The restore is
+        planned while the daemon reads (the checking pass, or the first window), and checks
+        everything before the first copy. What a restore hands over rather than copies in
+        place (a module's or optimizer's state dict) is read into tensors of its own, as an
+        uncapped load's is.
         """
         ask: dict[str, Any] = {"wanted": wanted or None, "select": keys, "window": window}
         ask |= {"select_required": required, "stream": stream}
@@ -337,12 +328,12 @@ class Loader:
 
 
 class _Windows:
-    """The windows of one load (see Loader._windowed), read by the daemon through ``slabs``:
-    each fetched while the one before is copied out, what failed kept to be raised as it is
-    (not in a group), the read's failure first."""
+    """The windows of one load (see Loader._windowed), read by the daemon into ``slabs`` in
+    turn: each fetched while the one before is copied out, what failed kept to be raised as
+    it is (not in a group), the read's failure first."""
 
     def __init__(
-        self, lending: Read, slabs: tuple[Slab, ...], ask: dict[str, Any], reply: LoadReply
+        self, lending: Read, slabs: tuple[Slab, Slab], ask: dict[str, Any], reply: LoadReply
     ) -> None:
         self._lending, self._slabs, self._ask, self.reply = lending, slabs, ask, reply
         self._refs = [SlabRef(slab.name, slab.size) for slab in slabs]
@@ -350,7 +341,7 @@ class _Windows:
         self.copied = False
 
     async def fetch(self, i: int) -> None:
-        slab = self._refs[i % len(self._refs)]
+        slab = self._refs[i % 2]
         try:
             await self._lending(step=self.reply.step, slab=slab, part=i, **self._ask)
         except Exception as e:
@@ -362,27 +353,18 @@ class _Windows:
 
     async def copy_into(self, plan: WindowedRestore) -> None:
         """Copy every window into ``plan``'s targets, the first fetched already."""
-        slabs, windows = self._slabs, self.reply.windows
-        # One slab that holds the whole load has each window where it lies (see
-        # LoadReq.stream), so the next is read while one is copied, as with two slabs;
-        # through one slab too small, each window waits for the copy of the one before.
-        at_place = len(slabs) == 1 and self.reply.size <= slabs[0].size
-        ahead = len(slabs) > 1 or at_place
+        windows = self.reply.windows
         for i, span in enumerate(windows):
             if self.failed:
                 raise self.failed[0]
-            u8 = slabs[i % len(slabs)].u8
             async with anyio.create_task_group() as tg:
-                if ahead and i + 1 < len(windows):
+                if i + 1 < len(windows):
                     tg.start_soon(self.fetch, i + 1)
                 try:
                     self.copied = True
-                    window = u8[span[0] :] if at_place else u8
-                    await anyio.to_thread.run_sync(plan.copy_window, window, span)
+                    await anyio.to_thread.run_sync(plan.copy_window, self._slabs[i % 2].u8, span)
                 except Exception as e:
                     self.failed.insert(0, e)
-            if not ahead and i + 1 < len(windows):
-                await self.fetch(i + 1)
         if self.failed:
             raise self.failed[0]
 

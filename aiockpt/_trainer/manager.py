@@ -346,11 +346,11 @@ class AsyncCheckpointManager:
         what both hold, and logs the rest. ``keys`` (key paths such as ``"model"`` or
         ``"model/layers.3"``) reads and returns only what lies at or under them.
 
-        ``atomic=False`` lets a load into ``into`` copy the bytes as they are read and
-        checked, a window at a time, instead of once every checksum has passed: it reads a
-        capped load's bytes once instead of twice, and overlaps the copy with the read. A
-        mismatch is still found before anything changes; a corrupt byte or a storage error
-        found later leaves ``into`` partly restored."""
+        ``atomic=False`` lets a load into ``into`` under ``staging_memory`` copy each window
+        as soon as it is read and checked, instead of once every checksum has passed: it
+        reads the bytes once instead of twice. A mismatch is still found before anything
+        changes; a corrupt byte or a storage error found later leaves ``into`` partly
+        restored. A load that fits its slab is atomic either way."""
         self._check_open()
         for name, flag in (("strict", strict), ("atomic", atomic)):
             if not isinstance(flag, bool):
