@@ -245,9 +245,10 @@ def test_a_streamed_load_of_distributed_tensors_refuses_a_box_too_big_up_front(
 
 
 def test_windows_of_a_streamed_load_are_asked_for_in_order(tmp_path) -> None:
-    """The daemon refuses a window of a streamed load that was not started, or out of turn
-    (a running crc32c depends on the windows before it): the trainer never asks so, and the
-    daemon's failure says what it was asked."""
+    """The daemon keeps each streamed load by its name, so two can interleave; it refuses a
+    window of one that was not started, or out of turn (a running crc32c depends on the
+    windows before it), and then drops that load. The trainer never asks so: the daemon's
+    failure says what it was asked."""
     state = {"w": torch.arange(3 * MiB, dtype=torch.float32)}
     root = str(tmp_path / "r")
     save(root, state)
@@ -256,15 +257,23 @@ def test_windows_of_a_streamed_load_are_asked_for_in_order(tmp_path) -> None:
         async with AsyncCheckpointManager(root, read_only=True) as mgr:
             slab = await mgr._pool.acquire(16 * MiB, None)
             try:
-                ask = {"slab": SlabRef(slab.name, slab.size), "stream": True}
-                ask["window"] = MiB
-                with pytest.raises(CheckpointError, match="ValueError: window 0 .* not started"):
-                    await mgr._read(step=1, part=0, **ask)
-                reply = await mgr._read(step=1, **ask)
+                ask = {"step": 1, "slab": SlabRef(slab.name, slab.size), "window": MiB}
+                with pytest.raises(CheckpointError, match="ValueError: window 0 .*'a'.* not st"):
+                    await mgr._read(part=0, stream="a", **ask)
+                reply = await mgr._read(stream="a", **ask)
                 assert len(reply.windows) == 12
-                await mgr._read(step=1, part=0, **ask)
+                await mgr._read(stream="b", **ask)
+                await mgr._read(part=0, stream="a", **ask)
+                await mgr._read(part=0, stream="b", **ask)
+                await mgr._read(part=1, stream="a", **ask)
                 with pytest.raises(CheckpointError, match="ValueError: .*1 is next, not 2"):
-                    await mgr._read(step=1, part=2, **ask)
+                    await mgr._read(part=2, stream="b", **ask)
+                with pytest.raises(CheckpointError, match="'b', which was not started"):
+                    await mgr._read(part=1, stream="b", **ask)
+                for i in range(2, 12):
+                    await mgr._read(part=i, stream="a", **ask)
+                with pytest.raises(CheckpointError, match="'a', which was not started"):
+                    await mgr._read(part=11, stream="a", **ask)  # done: dropped
             finally:
                 mgr._pool.release(slab.name)
 

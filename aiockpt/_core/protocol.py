@@ -280,11 +280,11 @@ class LoadReq(ReadReq):
     #: where the file has them, so that they lie where the slab's views of that layout
     #: are, and says so (``LoadReply.image``) instead of where each tensor lies.
     image: tuple[int, bytes] | None = None
-    #: A load in windows copied as each is read (``load(into=..., atomic=False)``): with
-    #: ``part`` None the reply says where each tensor lies and what the windows are, and
-    #: nothing is read; the windows are then asked for in order, each checked as it is read
-    #: (a tensor cut by windows once its last is in).
-    stream: bool = False
+    #: A name for a load in windows copied as each is read (``load(into=..., atomic=False)``):
+    #: with ``part`` None the reply says where each tensor lies and what the windows are, and
+    #: nothing is read; the windows are then asked for in order under the same name, each
+    #: checked as it is read (a tensor cut by windows once its last is in).
+    stream: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

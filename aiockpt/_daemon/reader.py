@@ -279,6 +279,10 @@ class _Plan(NamedTuple):
         )
 
 
+#: Streamed loads a daemon keeps track of at once (see Reader._streams).
+MAX_STREAMS = 8
+
+
 @dataclasses.dataclass
 class _Stream:
     """A streamed load's windows (see LoadReq.stream): the next one due, and the running
@@ -652,6 +656,9 @@ class Reader:
         #: trainer then asks for one at a time are read by the same plan, not planned again
         #: (listing the steps, reading the manifest, checking the shard, for each window).
         self._windowed: tuple[tuple[Any, ...], _Windowed] | None = None
+        #: Streamed loads by name, from their first request to their last window or a
+        #: failure; the oldest goes first beyond MAX_STREAMS (a trainer that gave up on one).
+        self._streams: dict[str, _Windowed] = {}
         self.early = _Early()
         self._runs = _Runs()
 
@@ -671,7 +678,7 @@ class Reader:
         early: str | None = None,
         collect: str | None = None,
         image: tuple[int, bytes] | None = None,
-        stream: bool = False,
+        stream: str | None = None,
     ) -> LoadReply:
         """Read and verify a rank's tensors of ``step`` (the latest when None) into shared
         memory: into the trainer's ``slab`` when given and large enough, else into a new
@@ -689,17 +696,17 @@ class Reader:
         :class:`_Early`); ``collect`` with that name answers once they are in (in windows:
         every window read and checked); ``image``: see :func:`read_as_image`.
 
-        With ``stream`` (and ``window``), ``part`` None reads nothing: the reply says where
-        each tensor lies and what the windows are, which the trainer then asks for in order,
-        each read and checked on its own, a tensor cut by windows by its running crc32c
-        once its last window is in."""
+        With ``stream`` (a name, and ``window``), ``part`` None reads nothing: the reply says
+        where each tensor lies and what the windows are, which the trainer then asks for in
+        order under the same name, each read and checked on its own, a tensor cut by windows
+        by its running crc32c once its last window is in."""
         if collect is not None:
             return self.early.collect(collect)
-        key = (step, rank, world_size, wanted, select, select_required, window, stream)
+        if stream is not None and part is not None:
+            return self._stream_part(stream, slab, part)
+        key = (step, rank, world_size, wanted, select, select_required, window)
         if part is not None and self._windowed is not None and self._windowed[0] == key:
             return self._load_windowed(self._windowed[1], slab, part)
-        if stream and part is not None:
-            raise ValueError(f"window {part} of a streamed load that was not started")
         plan = self._plan(step, rank, world_size, wanted, select, select_required)
         if window:
             return self._windows(plan, key, slab, window, part, early, stream)
@@ -829,14 +836,18 @@ class Reader:
         window: int,
         part: int | None,
         early: str | None,
-        stream: bool,
+        stream: str | None,
     ) -> LoadReply:
-        """A load in windows (see load), planned: kept by its request's fields (``key``)."""
-        windowed = _Windowed.of(plan, window, _Stream() if stream else None)
-        self._windowed = ((plan.step, *key[1:]), windowed)
-        if stream:  # nothing read yet: the windows are asked for one at a time
+        """A load in windows (see load), planned: kept by its request's fields (``key``), or
+        by its name when streamed."""
+        if stream is not None:  # nothing read yet: the windows are asked for one at a time
+            while len(self._streams) >= MAX_STREAMS:
+                del self._streams[next(iter(self._streams))]
+            windowed = self._streams[stream] = _Windowed.of(plan, window, _Stream())
             windows = windowed.windows
             return plan.reply(segment=None, tensors=plan.placed(), tree=plan.tree, windows=windows)
+        windowed = _Windowed.of(plan, window)
+        self._windowed = ((plan.step, *key[1:]), windowed)
         if early is not None and part is None:  # the checking pass, after the answer
 
             def fill() -> int:
@@ -844,6 +855,21 @@ class Reader:
 
             return self.early.answer(early, plan, fill, None, windows=windowed.windows)
         return self._load_windowed(windowed, slab, part)
+
+    def _stream_part(self, name: str, slab: SlabRef | None, part: int) -> LoadReply:
+        """Window ``part`` of streamed load ``name``; the stream is dropped after its last
+        window, or once one fails."""
+        windowed = self._streams.get(name)
+        if windowed is None:
+            raise ValueError(f"window {part} of streamed load {name!r}, which was not started")
+        try:
+            reply = self._load_windowed(windowed, slab, part)
+        except BaseException:
+            del self._streams[name]
+            raise
+        if part == len(windowed.windows) - 1:
+            del self._streams[name]
+        return reply
 
     def _load_windowed(
         self, windowed: _Windowed, slab: SlabRef | None, part: int | None

@@ -300,8 +300,8 @@ class Loader:
         uncapped load's is.
         """
         ask: dict[str, Any] = {"wanted": wanted or None, "select": keys, "window": window}
-        ask |= {"select_required": required, "stream": stream}
-        name = uuid_mod.uuid4().hex  # the checking pass's, answered early (not streamed)
+        name = uuid_mod.uuid4().hex  # the stream's, or the checking pass's answered early
+        ask |= {"select_required": required, "stream": name if stream else None}
         first = SlabRef(slabs[0].name, slabs[0].size)
         reply = await self._lending(step=step, slab=first, early=None if stream else name, **ask)
         reads = _Windows(self._lending, slabs, ask, reply)
