@@ -589,6 +589,36 @@ def assemble(
     return assembler
 
 
+class _Streams:
+    """Streamed loads by name (see LoadReq.stream), from their first request to their last
+    window or a failure; beyond MAX_STREAMS the oldest goes first (a trainer that gave up on
+    one, say when its target did not match)."""
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, _Windowed] = {}
+
+    def start(self, name: str, windowed: _Windowed) -> _Windowed:
+        while len(self._by_name) >= MAX_STREAMS:
+            del self._by_name[next(iter(self._by_name))]
+        self._by_name[name] = windowed
+        return windowed
+
+    def part(self, name: str, part: int, read: Callable[[_Windowed], LoadReply]) -> LoadReply:
+        """``read`` of stream ``name`` for its window ``part``; the stream is dropped after
+        its last window, or once one fails."""
+        windowed = self._by_name.get(name)
+        if windowed is None:
+            raise ValueError(f"window {part} of streamed load {name!r}, which was not started")
+        try:
+            reply = read(windowed)
+        except BaseException:
+            del self._by_name[name]
+            raise
+        if part == len(windowed.windows) - 1:
+            del self._by_name[name]
+        return reply
+
+
 class _Checks:
     """The crc32c checks of a load's bytes, run on ``pool`` while the next piece is read."""
 
@@ -656,9 +686,7 @@ class Reader:
         #: trainer then asks for one at a time are read by the same plan, not planned again
         #: (listing the steps, reading the manifest, checking the shard, for each window).
         self._windowed: tuple[tuple[Any, ...], _Windowed] | None = None
-        #: Streamed loads by name, from their first request to their last window or a
-        #: failure; the oldest goes first beyond MAX_STREAMS (a trainer that gave up on one).
-        self._streams: dict[str, _Windowed] = {}
+        self._streams = _Streams()
         self.early = _Early()
         self._runs = _Runs()
 
@@ -703,7 +731,7 @@ class Reader:
         if collect is not None:
             return self.early.collect(collect)
         if stream is not None and part is not None:
-            return self._stream_part(stream, slab, part)
+            return self._streams.part(stream, part, lambda w: self._load_windowed(w, slab, part))
         key = (step, rank, world_size, wanted, select, select_required, window)
         if part is not None and self._windowed is not None and self._windowed[0] == key:
             return self._load_windowed(self._windowed[1], slab, part)
@@ -841,10 +869,7 @@ class Reader:
         """A load in windows (see load), planned: kept by its request's fields (``key``), or
         by its name when streamed."""
         if stream is not None:  # nothing read yet: the windows are asked for one at a time
-            while len(self._streams) >= MAX_STREAMS:
-                del self._streams[next(iter(self._streams))]
-            windowed = self._streams[stream] = _Windowed.of(plan, window, _Stream())
-            windows = windowed.windows
+            windows = self._streams.start(stream, _Windowed.of(plan, window, _Stream())).windows
             return plan.reply(segment=None, tensors=plan.placed(), tree=plan.tree, windows=windows)
         windowed = _Windowed.of(plan, window)
         self._windowed = ((plan.step, *key[1:]), windowed)
@@ -855,21 +880,6 @@ class Reader:
 
             return self.early.answer(early, plan, fill, None, windows=windowed.windows)
         return self._load_windowed(windowed, slab, part)
-
-    def _stream_part(self, name: str, slab: SlabRef | None, part: int) -> LoadReply:
-        """Window ``part`` of streamed load ``name``; the stream is dropped after its last
-        window, or once one fails."""
-        windowed = self._streams.get(name)
-        if windowed is None:
-            raise ValueError(f"window {part} of streamed load {name!r}, which was not started")
-        try:
-            reply = self._load_windowed(windowed, slab, part)
-        except BaseException:
-            del self._streams[name]
-            raise
-        if part == len(windowed.windows) - 1:
-            del self._streams[name]
-        return reply
 
     def _load_windowed(
         self, windowed: _Windowed, slab: SlabRef | None, part: int | None
