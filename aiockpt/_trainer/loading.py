@@ -309,7 +309,8 @@ class Loader:
         if stream:  # planned while the first window is read
             plan = await plan_while_first_read(reads, into, held, strict, scope)
         else:
-            plan = await plan_while_checked(self._lending, reply, name, into, held, strict, scope)
+            args = (reply, name, into, held, strict, scope)
+            plan, reads.read_nbytes = await plan_while_checked(self._lending, *args)
             await reads.first()
         try:
             await reads.copy_into(plan)
@@ -324,7 +325,7 @@ class Loader:
                 )
             raise
         _say_left_out(reply, restored, required)
-        return reply, restored.value
+        return dataclasses.replace(reply, read_nbytes=reads.read_nbytes), restored.value
 
 
 class _Windows:
@@ -339,13 +340,16 @@ class _Windows:
         self._refs = [SlabRef(slab.name, slab.size) for slab in slabs]
         self.failed: list[Exception] = []
         self.copied = False
+        self.read_nbytes = 0  # the bytes the daemon read for this load, every pass
 
     async def fetch(self, i: int) -> None:
         slab = self._refs[i % 2]
         try:
-            await self._lending(step=self.reply.step, slab=slab, part=i, **self._ask)
+            done = await self._lending(step=self.reply.step, slab=slab, part=i, **self._ask)
         except Exception as e:
             self.failed.append(e)
+        else:
+            self.read_nbytes += done.read_nbytes
 
     async def first(self) -> None:
         if self.reply.windows:
@@ -418,12 +422,14 @@ async def plan_while_checked(
     held: dict[str, Any],
     strict: bool,
     scope: tuple[str, ...] | None,
-) -> WindowedRestore:
+) -> tuple[WindowedRestore, int]:
     """The restore of a load in windows, planned while the daemon reads and checks every
-    window (nothing changes yet); raised, the read's failure first."""
+    window (nothing changes yet), and the bytes that pass read; raised, the read's failure
+    first."""
     assert reply.pending
     planned: list[WindowedRestore] = []
     failed: list[Exception] = []
+    read: list[int] = []
 
     async def planner() -> None:
         try:
@@ -435,12 +441,12 @@ async def plan_while_checked(
     async with anyio.create_task_group() as tg:
         tg.start_soon(planner)
         try:
-            await lending(step=reply.step, collect=name)
+            read.append((await lending(step=reply.step, collect=name)).read_nbytes)
         except Exception as e:
             failed.insert(0, e)
     if failed:
         raise failed[0]
-    return planned[0]
+    return planned[0], read[0]
 
 
 async def load_fresh(
