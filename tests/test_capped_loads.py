@@ -231,9 +231,11 @@ def test_load_windows_tile_the_output_and_never_cut_a_box() -> None:
     assert cut_output(0, 4096, [], {}) == ((0, 0),)
 
 
-def test_distributed_tensors_load_in_windows_and_a_box_too_big_is_refused(tmp_path) -> None:
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "streamed"])
+def test_distributed_tensors_load_in_windows_and_a_box_too_big_is_refused(tmp_path, atomic) -> None:
     """DTensors restored into DTensors have their boxes assembled whole, each in one window;
-    a box larger than a window is a StagingMemoryError before anything changes."""
+    a box larger than a window is a StagingMemoryError before anything changes, streamed
+    (atomic=False) or not."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -260,10 +262,10 @@ def test_distributed_tensors_load_in_windows_and_a_box_too_big_is_refused(tmp_pa
             parts = record_parts(mgr)
             into = state(zeros)
             with pytest.raises(StagingMemoryError, match="big: its 16000000 bytes"):
-                await mgr.load(1, into=into)
+                await mgr.load(1, into=into, atomic=atomic)
             assert_equal({k: v.full_tensor() for k, v in into["model"].items()}, zeros)
             into = state(small)
-            await mgr.load(1, into=into, strict=False)
+            await mgr.load(1, into=into, strict=False, atomic=atomic)
             assert len([p for _, p in parts if p is not None]) >= 2
             assert mgr._pool.peak <= 10 * MiB
         assert_equal(

@@ -265,28 +265,27 @@ class Loader:
     ) -> tuple[LoadReply, Any]:
         """Restore into existing objects through two window slabs of the staging pool, so a
         load stays under ``staging_memory`` as a save does (see _windowed)."""
+        ask: dict[str, Any] = {"wanted": wanted or None, "select": keys, "window": window}
+        ask["select_required"] = required
+        restore = (into, held, strict, keys if required else None)
         slabs = await self._pool.acquire_windows(window)
         try:
             for slab in slabs:
                 self._pool.reuse_for_load(slab)
-            args = (step, into, strict, keys, required, held, wanted)
-            return await self._windowed(*args, window, slabs, stream=not atomic)
+            reply, restored = await self._windowed(step, ask, restore, slabs, stream=not atomic)
         finally:
             self._pool.close_windows(slabs, list(slabs))
+        _say_left_out(reply, restored, required)
+        return reply, restored.value
 
     async def _windowed(
         self,
         step: int | None,
-        into: Any,
-        strict: bool,
-        keys: tuple[str, ...] | None,
-        required: bool,
-        held: dict[str, Any],
-        wanted: dict[str, Wanted],
-        window: int,
+        ask: dict[str, Any],
+        restore: tuple[Any, dict[str, Any], bool, tuple[str, ...] | None],
         slabs: tuple[Slab, Slab],
         stream: bool,
-    ) -> tuple[LoadReply, Any]:
+    ) -> tuple[LoadReply, Restored]:
         """A load whose bytes come a window at a time, the two ``slabs`` taking turns: each
         window is copied into the targets while the daemon reads the next into the other.
 
@@ -297,20 +296,17 @@ class Loader:
         planned while the daemon reads (the checking pass, or the first window), and checks
         everything before the first copy. What a restore hands over rather than copies in
         place (a module's or optimizer's state dict) is read into tensors of its own, as an
-        uncapped load's is.
+        uncapped load's is. ``restore``: what WindowedRestore is planned with but the reply.
         """
-        ask: dict[str, Any] = {"wanted": wanted or None, "select": keys, "window": window}
         name = uuid_mod.uuid4().hex  # the stream's, or the checking pass's answered early
-        ask |= {"select_required": required, "stream": name if stream else None}
+        ask = {**ask, "stream": name if stream else None}
         first = SlabRef(slabs[0].name, slabs[0].size)
         reply = await self._lending(step=step, slab=first, early=None if stream else name, **ask)
         reads = _Windows(self._lending, slabs, ask, reply)
-        scope = keys if required else None
         if stream:  # planned while the first window is read
-            plan = await plan_while_first_read(reads, into, held, strict, scope)
+            plan = await plan_while_first_read(reads, *restore)
         else:
-            args = (reply, name, into, held, strict, scope)
-            plan, reads.read_nbytes = await plan_while_checked(self._lending, *args)
+            plan, reads.read_nbytes = await plan_while_checked(self._lending, reply, name, *restore)
             await reads.first()
         try:
             await reads.copy_into(plan)
@@ -324,8 +320,7 @@ class Loader:
                     "" if stream else ", after every checksum had passed",
                 )
             raise
-        _say_left_out(reply, restored, required)
-        return dataclasses.replace(reply, read_nbytes=reads.read_nbytes), restored.value
+        return dataclasses.replace(reply, read_nbytes=reads.read_nbytes), restored
 
 
 class _Windows:
