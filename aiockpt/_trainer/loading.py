@@ -312,7 +312,7 @@ class Loader:
             await reads.copy_into(plan)
             restored = await anyio.to_thread.run_sync(plan.finish)
         except BaseException:
-            if reads.copied or not stream:
+            if reads.copied:  # else nothing was changed
                 logger.error(
                     "load(into=) of step %d stopped while copying its windows%s: the target "
                     "may be partly restored",
