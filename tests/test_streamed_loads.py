@@ -3,6 +3,7 @@ read once, checked as it is read and copied while the next is read into the othe
 
 from __future__ import annotations
 
+import bisect
 import copy
 import json
 import os
@@ -12,6 +13,8 @@ import anyio
 import pytest
 import torch
 from _support.roots import flip_byte, manifest_of
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_capped_loads import cap_of, record_parts, zeroed
 from test_staging_cap import assert_equal, mixed_state
 
@@ -270,3 +273,84 @@ def test_a_capped_load_counts_the_bytes_it_read(tmp_path, atomic) -> None:
     anyio.run(main)
     (end,) = [e for e in events if e.name == "load.end"]
     assert end.read_nbytes == (2 if atomic else 1) * 20_000_000
+
+
+@pytest.fixture(scope="module")
+def varied(tmp_path_factory) -> tuple[str, dict]:
+    """A checkpoint of tensors of several dtypes and sizes, an empty and a 0-d one among them,
+    some larger than the windows the property test below cuts."""
+    g = torch.Generator().manual_seed(5)
+    state = {
+        "a": torch.randn(300_001, generator=g),
+        "b": torch.empty(0),
+        "c": torch.tensor(2.5),
+        "d": torch.randint(-100, 100, (70_001,), generator=g).to(torch.int8),
+        "e": torch.randn(1000, 333, generator=g).to(torch.bfloat16),
+        "f": torch.randn(250_007, generator=g).double(),
+        "g": torch.randint(0, 2, (5,), generator=g).bool(),
+    }
+    root = str(tmp_path_factory.mktemp("varied") / "r")
+    save(root, state)
+    return root, state
+
+
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    pages=st.integers(1, 300),
+    flip=st.none() | st.tuples(st.sampled_from("adef"), st.floats(0, 1, exclude_max=True)),
+)
+def test_streamed_windows_hold_every_byte_and_find_any_flipped_one(varied, pages, flip) -> None:
+    """The daemon's side, in this process: whatever the window (4 KiB to 1.2 MiB), the windows
+    of a streamed load tile its output with the saved bytes, each tensor where the first
+    answer says; with one byte of a tensor flipped, the window where that tensor ends fails,
+    naming it, and none before."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from aiockpt._core.catalog import Catalog
+    from aiockpt._core.shm import Segment
+    from aiockpt._daemon.reader import Reader
+    from aiockpt._daemon.shared import Slabs
+    from aiockpt.storage import LocalStorage
+
+    root, state = varied
+    window = pages * 4096
+    flipped = None
+    if flip is not None:
+        name, where = flip
+        a, b = data_offsets(root)[name]
+        flipped = a + int(where * (b - a))
+        flip_byte(shard_path(root), flipped)
+    seg = Segment.create(window)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            reader = Reader(Catalog(LocalStorage(root)), Slabs(), pool)
+            ask = {"slab": SlabRef(seg.name, seg.size), "window": window, "stream": "s"}
+            reply = reader.load(1, 0, 1, **ask)
+            out = bytearray(reply.size)
+            failed = None
+            for i, (a, b) in enumerate(reply.windows):
+                try:
+                    reader.load(reply.step, 0, 1, part=i, **ask)
+                except CorruptCheckpointError as e:
+                    failed = (i, e.key)
+                    break
+                out[a:b] = seg.buf[: b - a]
+            reader.slabs.close()
+            reader.close()
+    finally:
+        seg.close()
+        seg.unlink()
+        if flipped is not None:
+            flip_byte(shard_path(root), flipped)
+    if flip is None:
+        assert failed is None
+        for key, t in state.items():
+            _, _, at = reply.tensors[key]
+            want = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+            assert out[at : at + len(want)] == want, key
+    else:
+        _, _, at = reply.tensors[name]
+        end = at + state[name].nbytes
+        assert failed == (bisect.bisect_left([b for _, b in reply.windows], end), name)
