@@ -258,19 +258,22 @@ def test_atomic_is_a_bool_and_the_sync_manager_streams_too(tmp_path) -> None:
 @pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "streamed"])
 def test_a_capped_load_counts_the_bytes_it_read(tmp_path, atomic) -> None:
     """load.end's read_nbytes is what the daemon read: the tensors' bytes twice for an atomic
-    load in windows (checked whole, then copied), once streamed."""
-    state = {"w": torch.randn(4_000_000), "v": torch.randn(1_000_000)}
+    load in windows (checked whole, then copied), once streamed. (Every tensor of this state
+    is copied in place, none handed over: the restore planned first is carried out.)"""
+    state = {"w": torch.randn(4_000_000), "v": torch.randn(1_000_000), "step": 3}
     root = str(tmp_path / "r")
     save(root, state)
     events: list = []
+    into = {**zeroed(state), "step": 0}
 
     async def main() -> None:
         async with AsyncCheckpointManager(
             root, staging_memory=4 * MiB, read_only=True, event_handlers=[events.append]
         ) as mgr:
-            await mgr.load(1, into=zeroed(state), atomic=atomic)
+            assert await mgr.load(1, into=into, atomic=atomic) is into
 
     anyio.run(main)
+    assert_equal(into, state)
     (end,) = [e for e in events if e.name == "load.end"]
     assert end.read_nbytes == (2 if atomic else 1) * 20_000_000
 

@@ -540,7 +540,7 @@ class WindowedRestore:
         # What is handed over gets its own tensor at once, not a placeholder: building the
         # values handed over may look at them (a DTensor's local tensor is moved to its
         # device, an array viewed); their bytes come later.
-        first = plan_restore(
+        self._first = first = plan_restore(
             into, reply.tree, meta, _Asked(self._own_tensor, meta), held, strict, scope
         )
         name_of = _Placeholders(meta, whole, reply.tensors)
@@ -606,17 +606,15 @@ class WindowedRestore:
                 copy_pairs(dsts, srcs)
 
     def finish(self) -> Restored:
-        """The second plan, against the filled tensors, carried out."""
-        sources = {**self._meta, **self._own}
-        plan = plan_restore(
-            self._into,
-            self._tree,
-            sources,
-            _Handed(self._own),
-            self._held,
-            self._strict,
-            self._scope,
-        )
+        """The second plan, against the filled tensors, carried out; or the first, when no
+        tensor got one of its own (every one was copied in place from the windows and
+        nothing is handed over): planning 20k tensors again took 85 ms."""
+        if self._own:
+            sources = {**self._meta, **self._own}
+            args = (self._held, self._strict, self._scope)
+            plan = plan_restore(self._into, self._tree, sources, _Handed(self._own), *args)
+        else:
+            plan = self._first
 
         def copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
             pairs = [(d, s) for d, s in zip(dsts, srcs, strict=True) if not s.is_meta]
