@@ -304,9 +304,11 @@ class Loader:
         reply = await self._lending(step=step, slab=first, early=None if stream else name, **ask)
         reads = _Windows(self._lending, slabs, ask, reply)
         if stream:  # planned while the first window is read
-            plan = await plan_while_first_read(reads, *restore)
-        else:
-            plan, reads.read_nbytes = await plan_while_checked(self._lending, reply, name, *restore)
+            plan, _ = await plan_while(reads.first, reply, *restore)
+        else:  # planned while every window is read and checked
+            checked = functools.partial(self._lending, step=reply.step, collect=name)
+            plan, done = await plan_while(checked, reply, *restore)
+            reads.read_nbytes = done.read_nbytes
             await reads.first()
         try:
             await reads.copy_into(plan)
@@ -347,8 +349,11 @@ class _Windows:
             self.read_nbytes += done.read_nbytes
 
     async def first(self) -> None:
+        """Fetch window 0; raise what failed."""
         if self.reply.windows:
             await self.fetch(0)
+        if self.failed:
+            raise self.failed[0]
 
     async def copy_into(self, plan: WindowedRestore) -> None:
         """Copy every window into ``plan``'s targets, the first fetched already."""
@@ -381,50 +386,20 @@ def wanted_boxes(held: dict[str, Any]) -> dict[str, Wanted]:
     }
 
 
-async def plan_while_first_read(
-    reads: _Windows,
-    into: Any,
-    held: dict[str, Any],
-    strict: bool,
-    scope: tuple[str, ...] | None,
-) -> WindowedRestore:
-    """The restore of a streamed load, planned while the daemon reads its first window
-    (nothing changes yet); raised, the read's failure first."""
-    planned: list[Any] = []
-
-    async def planner() -> None:
-        try:
-            args = (reads.reply, into, held, strict, scope)
-            planned.append(await anyio.to_thread.run_sync(WindowedRestore, *args))
-        except Exception as e:
-            planned.append(e)
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(planner)
-        await reads.first()
-    for outcome in (*reads.failed, *planned):
-        if isinstance(outcome, Exception):
-            raise outcome
-    plan: WindowedRestore = planned[0]
-    return plan
-
-
-async def plan_while_checked(
-    lending: Read,
+async def plan_while(
+    read: Callable[[], Awaitable[Any]],
     reply: LoadReply,
-    name: str,
     into: Any,
     held: dict[str, Any],
     strict: bool,
     scope: tuple[str, ...] | None,
-) -> tuple[WindowedRestore, int]:
-    """The restore of a load in windows, planned while the daemon reads and checks every
-    window (nothing changes yet), and the bytes that pass read; raised, the read's failure
-    first."""
-    assert reply.pending
+) -> tuple[WindowedRestore, Any]:
+    """The restore of a load in windows, planned while ``read()`` runs (the checking pass,
+    or a streamed load's first window; nothing changes yet), and what ``read`` returned;
+    raised, the read's failure first."""
     planned: list[WindowedRestore] = []
     failed: list[Exception] = []
-    read: list[int] = []
+    got: list[Any] = []
 
     async def planner() -> None:
         try:
@@ -436,12 +411,12 @@ async def plan_while_checked(
     async with anyio.create_task_group() as tg:
         tg.start_soon(planner)
         try:
-            read.append((await lending(step=reply.step, collect=name)).read_nbytes)
+            got.append(await read())
         except Exception as e:
             failed.insert(0, e)
     if failed:
         raise failed[0]
-    return planned[0], read[0]
+    return planned[0], got[0]
 
 
 async def load_fresh(
