@@ -26,7 +26,7 @@ from .._core import windows as wn
 from .._core.gc import no_gc
 from .._core.protocol import DTensorEntry, LayoutMsg
 from .._core.shm import Segment
-from .state import ST_TO_TORCH, TORCH_TO_ST, Flat, StaleFlat
+from .state import _DTYPE, _SHAPE, ST_TO_TORCH, TORCH_TO_ST, Flat, StaleFlat
 
 _layout_ids = itertools.count(1)
 
@@ -541,8 +541,6 @@ def _plan(layout: Layout, data: torch.Tensor) -> tuple[list[Piece], list[Piece]]
     return pieces[:h], pieces[h:]
 
 
-_DTYPE = operator.attrgetter("dtype")
-_SHAPE = operator.attrgetter("shape")
 _LAYOUT = operator.attrgetter("layout")
 _IS_CPU = operator.attrgetter("is_cpu")
 _STRIDED = frozenset({torch.strided})
