@@ -23,11 +23,13 @@ This module imports nothing from aiockpt or outside the standard library.
 
 from __future__ import annotations
 
+import dataclasses
+import marshal
 from dataclasses import dataclass, field
 from typing import Any
 
 #: Bumped on any change to these messages; checked by both ends in the handshake.
-PROTOCOL = 13
+PROTOCOL = 14
 
 #: How a loaded tensor lies in shared memory: (safetensors dtype, shape, byte offset).
 TensorAt = tuple[str, tuple[int, ...], int]
@@ -313,6 +315,25 @@ class LoadReply:
     #: The tensors lie in the lent slab where the shard's file has them, as the layout of
     #: ``LoadReq.image`` places them; ``tensors`` is then empty.
     image: bool = False
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickled with ``tensors`` and ``tree`` as one marshal blob: plain tuples, lists,
+        dicts and scalars that marshal writes and reads in a fraction of pickle's time (a
+        20k-tensor tree: 3 + 12 ms against 13 + 21 ms), on the critical path of every load.
+        Both ends run the same interpreter (the daemon is spawned with it), which marshal
+        needs."""
+        rest = tuple(getattr(self, f.name) for f in _REPLY_REST)
+        return _load_reply, (marshal.dumps((self.tensors, self.tree)), rest)
+
+
+#: The fields of LoadReply pickled as usual (see LoadReply.__reduce__).
+_REPLY_REST = tuple(f for f in dataclasses.fields(LoadReply) if f.name not in ("tensors", "tree"))
+
+
+def _load_reply(blob: bytes, rest: tuple[Any, ...]) -> LoadReply:
+    tensors, tree = marshal.loads(blob)
+    fields = {f.name: v for f, v in zip(_REPLY_REST, rest, strict=True)}
+    return LoadReply(tensors=tensors, tree=tree, **fields)
 
 
 @dataclass(frozen=True, slots=True)
