@@ -67,6 +67,18 @@ async def test_keys_read_and_return_only_what_lies_under_them(saved):
     assert read_bytes(events) == nbytes(s["optim"]["v"], s["history"][0])
 
 
+async def test_a_key_under_another_key_is_found_and_read_once(saved):
+    mgr, events = saved
+    s = state()
+    out = await mgr.load(1, keys=["model/layers.3", "model", "model/layers.3/w"])
+    assert list(out) == ["model"]
+    assert torch.equal(out["model"]["layers.3"]["w"], s["model"]["layers.3"]["w"])
+    m = s["model"]
+    assert read_bytes(events) == nbytes(
+        m["embed"], m["layers.3"]["w"], m["layers.3"]["b"], m["layers.4"]["w"]
+    )
+
+
 async def test_keys_that_name_nothing_or_are_malformed_are_refused(saved):
     mgr, _ = saved
     with pytest.raises(LoadMismatchError, match="no saved value at 'model/layers.9'"):

@@ -35,6 +35,7 @@ from .._core.tree import (
     TENSOR,
     TUPLE,
     VALUE,
+    KeyPaths,
     decode_float,
     encode_float,
 )
@@ -721,7 +722,8 @@ def plan_restore(
     restorer = _Restorer(tensors, fresh, held or {})
     restorer.result = restorer.restore(target, tree, "")
     if scope is not None:  # target keys outside the selection read were not asked for
-        restorer.only_target = [p for p in restorer.only_target if _within(p, scope)]
+        asked = KeyPaths(scope)
+        restorer.only_target = [p for p in restorer.only_target if asked.selects(p)]
     if strict and (restorer.only_saved or restorer.only_target):
         raise LoadMismatchError(restorer.key_difference())
     return restorer
@@ -743,10 +745,6 @@ class Restored:
 BATCH_MIN = 32
 _DTYPE = operator.attrgetter("dtype")
 _SHAPE = operator.attrgetter("shape")
-
-
-def _within(path: str, keys: tuple[str, ...]) -> bool:
-    return any(path == k or path.startswith(k + "/") for k in keys)
 
 
 def _listed(paths: list[str], limit: int = 10) -> str:
