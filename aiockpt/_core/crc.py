@@ -67,6 +67,51 @@ def combine(crc1: int, crc2: int, len2: int) -> int:
 FOLD_MIN_AVERAGE = 64 << 10
 
 
+class Shifts:
+    """Multiplying a CRC by x^(8 × n) modulo the polynomial, for a few lengths ``n`` met over
+    and over, by table: the product is linear in the CRC's bits, so it is the XOR of one
+    entry per byte of the CRC. A length's four tables of 256 entries cost about 0.5 ms to
+    make (32 products, the rest XORs); a fold through them, under 1 us a part, where
+    :func:`combine` costs 15-80 us. At most ``keep`` lengths are kept."""
+
+    def __init__(self, keep: int = 1024) -> None:
+        self._tables: dict[int, tuple[list[int], list[int], list[int], list[int]]] = {}
+        self._keep = keep
+
+    def __contains__(self, nbytes: int) -> bool:
+        return nbytes in self._tables
+
+    def tables(self, nbytes: int) -> tuple[list[int], list[int], list[int], list[int]]:
+        """The four tables of x^(8 × ``nbytes``), made the first time."""
+        found = self._tables.get(nbytes)
+        if found is not None:
+            return found
+        shift = _shift(nbytes)
+        made = []
+        for k in range(4):
+            table = [0] * 256
+            for bit in range(8):
+                table[1 << bit] = _multmodp(1 << (8 * k + bit), shift)
+            for v in range(3, 256):
+                low = v & -v
+                if v != low:
+                    table[v] = table[v ^ low] ^ table[low]
+            made.append(table)
+        if len(self._tables) >= self._keep:
+            self._tables.clear()
+        found = self._tables[nbytes] = (made[0], made[1], made[2], made[3])
+        return found
+
+    def concat(self, crcs: Sequence[int], lengths: Sequence[int]) -> int:
+        """The crc32c of consecutive pieces from their crcs and lengths, as :func:`concat`."""
+        crc = 0
+        tables = self.tables
+        for c, n in zip(crcs, lengths, strict=True):
+            t0, t1, t2, t3 = tables(n)
+            crc = t0[crc & 255] ^ t1[(crc >> 8) & 255] ^ t2[(crc >> 16) & 255] ^ t3[crc >> 24] ^ c
+        return crc
+
+
 def concat(pieces: Iterable[tuple[int, int]]) -> int:
     """The crc32c of consecutive pieces of bytes, from their ``(crc, length)`` pairs."""
     crc = 0
