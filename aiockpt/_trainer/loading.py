@@ -12,7 +12,7 @@ import os
 import time
 import uuid as uuid_mod
 from collections.abc import Awaitable, Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import torch
@@ -202,8 +202,6 @@ class Loader:
         # (own tensor, its source) pairs: the views' first, then those of what is handed
         # over, which may be one of the former.
         fills: tuple[list[Any], list[Any]] = ([], [])
-        planned: list[Any] = []
-        failed: list[Exception] = []
 
         def plan() -> Any:
             # The save views, for the save after this load (a resumed run's first): 0.13 s
@@ -216,28 +214,16 @@ class Loader:
             fresh = _Later(tensors, fills[1])
             return plan_restore(into, reply.tree, tensors, fresh, held, strict, scope)
 
-        async def planner() -> None:
-            try:
-                planned.append(await anyio.to_thread.run_sync(plan))
-            except Exception as e:  # raised once the slab is the trainer's again
-                failed.append(e)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(planner)
-            try:
-                done = await self._lending(step=reply.step, collect=name)
-            except Exception as e:  # the read's failure first: nothing was changed
-                failed.insert(0, e)
-        if failed:
-            raise failed[0]
+        # A failure is raised once the slab is the trainer's again; nothing was changed.
+        collect = functools.partial(self._lending, step=reply.step, collect=name)
+        planned, done = await while_read(collect, plan)
 
         def finish() -> Restored:
             with torch.no_grad():
                 for pairs in fills:
                     if pairs:
                         copy_pairs([own for own, _ in pairs], [src for _, src in pairs])
-            restored: Restored = planned[0].finish(copy_pairs)
-            return restored
+            return planned.finish(copy_pairs)
 
         restored = await anyio.to_thread.run_sync(finish)
         return dataclasses.replace(reply, read_nbytes=done.read_nbytes, pending=False), restored
@@ -397,26 +383,37 @@ async def plan_while(
     """The restore of a load in windows, planned while ``read()`` runs (the checking pass,
     or a streamed load's first window; nothing changes yet), and what ``read`` returned;
     raised, the read's failure first."""
-    planned: list[WindowedRestore] = []
-    failed: list[Exception] = []
-    got: list[Any] = []
+    plan = functools.partial(WindowedRestore, reply, into, held, strict, scope)
+    return await while_read(read, plan)
 
-    async def planner() -> None:
+
+R = TypeVar("R")
+W = TypeVar("W")
+
+
+async def while_read(read: Callable[[], Awaitable[R]], work: Callable[[], W]) -> tuple[W, R]:
+    """``work()`` on a worker thread while ``read()`` is awaited (the daemon reading what
+    the work prepares for: a restore's plan, a load's values), and both results, once both
+    are done; raised, the read's failure first."""
+    done: list[W] = []
+    got: list[R] = []
+    failed: list[Exception] = []
+
+    async def worker() -> None:
         try:
-            args = (reply, into, held, strict, scope)
-            planned.append(await anyio.to_thread.run_sync(WindowedRestore, *args))
+            done.append(await anyio.to_thread.run_sync(work))
         except Exception as e:
             failed.append(e)
 
     async with anyio.create_task_group() as tg:
-        tg.start_soon(planner)
+        tg.start_soon(worker)
         try:
             got.append(await read())
         except Exception as e:
             failed.insert(0, e)
     if failed:
         raise failed[0]
-    return planned[0], got[0]
+    return done[0], got[0]
 
 
 async def load_fresh(
@@ -433,32 +430,17 @@ async def load_fresh(
     reply = await lending(step=step, select=keys, early=name)
     later: list[tuple[torch.Tensor, torch.Tensor]] = []
     calls: list[Callable[[], object]] = []
-    built: list[Any] = []
-    failed: list[Exception] = []
 
-    def build() -> None:
+    def build() -> Any:
         with gc_paused():  # 20k fresh views and containers: see gc_paused
-            built.append(unflatten(reply.tree, map_loaded(reply, later), later=calls))
+            return unflatten(reply.tree, map_loaded(reply, later), later=calls)
 
-    async def builder() -> None:
-        try:
-            await anyio.to_thread.run_sync(build)
-        except Exception as e:  # raised once the daemon is done
-            failed.append(e)
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(builder)
-        try:
-            reply = await collected(lending, reply, name)
-        except Exception as e:  # the read's failure first
-            failed.insert(0, e)
-    if failed:
-        raise failed[0]
+    built, reply = await while_read(functools.partial(collected, lending, reply, name), build)
     for own, src in later:
         own.copy_(src)
     for call in calls:
         call()
-    return reply, built[0]
+    return reply, built
 
 
 async def collected(lending: Read, reply: LoadReply, name: str) -> LoadReply:
