@@ -2,8 +2,9 @@
 .venv/azurite) on 127.0.0.1, as a child process.
 
 Its blobs live in a folder, so the server can be stopped mid-request and started again on the
-same port with what it had stored. ``Relay`` is a TCP relay in front of it that can reset
-connections, or stop the server once a request has sent some bytes: the moment of a stop.
+same port with what it had stored. The tests put
+``aiockpt.storage.testing.Relay`` in front of it to reset connections, or to stop the server
+once a request has sent some bytes: the moment of a stop.
 """
 
 from __future__ import annotations
@@ -14,13 +15,11 @@ import os
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -174,103 +173,3 @@ class AzuriteServer:
     def options(self, endpoint: str | None = None, **extra: Any) -> dict[str, Any]:
         """storage_options pointing adlfs at this server."""
         return {"connection_string": connection_string(endpoint or self.endpoint), **extra}
-
-
-class Relay:
-    """A TCP relay from ``endpoint`` to ``target_port``.
-
-    ``reset_next(n)`` resets the next ``n`` connections as they come in (a transient failure);
-    ``trip(nbytes, action)`` runs ``action`` once a connection has sent ``nbytes`` towards the
-    server, then resets every connection.
-    """
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
-        self._lock = threading.Lock()
-        self._conns: set[socket.socket] = set()
-        self._resets = 0
-        self._trip: tuple[int, Callable[[], None]] | None = None
-        self._listener = socket.socket()
-        self._listener.bind(("127.0.0.1", 0))
-        self._listener.listen(64)
-        self.port = self._listener.getsockname()[1]
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def reset_next(self, n: int) -> None:
-        with self._lock:
-            self._resets = n
-
-    def trip(self, nbytes: int, action: Callable[[], None]) -> None:
-        with self._lock:
-            self._trip = (nbytes, action)
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)
-        self._listener.close()
-        self.reset_all()
-
-    def reset_all(self) -> None:
-        """Reset every connection open through the relay."""
-        with self._lock:
-            conns, self._conns = self._conns, set()
-        for c in conns:
-            _reset(c)
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            with self._lock:
-                reset = self._resets > 0
-                self._resets -= reset
-            if reset:
-                _reset(client)
-                continue
-            try:
-                server = socket.create_connection(("127.0.0.1", self.target_port))
-            except OSError:
-                _reset(client)
-                continue
-            with self._lock:
-                self._conns |= {client, server}
-            left = [2]  # directions still open; the last one closes both sockets
-            for a, b, up in ((client, server, True), (server, client, False)):
-                threading.Thread(target=self._pipe, args=(a, b, up, left), daemon=True).start()
-
-    def _pipe(
-        self, src: socket.socket, dst: socket.socket, upstream: bool, left: list[int]
-    ) -> None:
-        sent = 0
-        try:
-            while data := src.recv(1 << 20):
-                dst.sendall(data)
-                sent += len(data)
-                if upstream and self._trip is not None and sent >= self._trip[0]:
-                    with self._lock:
-                        trip, self._trip = self._trip, None
-                    if trip is not None:
-                        trip[1]()
-                        self.reset_all()
-        except OSError:
-            pass
-        with contextlib.suppress(OSError):
-            dst.shutdown(socket.SHUT_WR)
-        with self._lock:
-            left[0] -= 1
-            last = left[0] == 0
-            if last:
-                self._conns -= {src, dst}
-        if last:
-            src.close()
-            dst.close()
-
-
-def _reset(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        # linger 0: close sends RST, the client sees "connection reset"
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        sock.close()

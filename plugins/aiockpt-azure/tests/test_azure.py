@@ -12,14 +12,14 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from _azserver import AzuriteServer, Relay, why_not
+from _azserver import AzuriteServer, why_not
 
 import aiockpt_azure
 from aiockpt import AsyncCheckpointManager
 from aiockpt.errors import LeaseLostError, RootLockedError, StorageError
 from aiockpt.retention import LatestN
 from aiockpt.storage import open_storage
-from aiockpt.storage.testing import StorageContract
+from aiockpt.storage.testing import Relay, StorageContract
 
 _SKIP = why_not()
 pytestmark = pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")

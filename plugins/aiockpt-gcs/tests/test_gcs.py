@@ -9,14 +9,14 @@ from typing import Any
 
 import pytest
 import torch
-from _gcsserver import GCSServer, Relay
+from _gcsserver import GCSServer
 
 import aiockpt_gcs
 from aiockpt import AsyncCheckpointManager
 from aiockpt.errors import LeaseLostError, RootLockedError, StorageError
 from aiockpt.retention import LatestN
 from aiockpt.storage import open_storage
-from aiockpt.storage.testing import StorageContract
+from aiockpt.storage.testing import Relay, StorageContract
 
 MiB = 1024 * 1024
 # Small read parts so a few MiB make split, concurrent reads; fast retries so failures are quick.

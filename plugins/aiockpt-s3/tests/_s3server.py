@@ -2,17 +2,15 @@
 
 ``S3Server`` serves moto's S3 with a hook called on every request (to act at a precise
 moment, say the third part of an upload), which may have the server answer an error
-(``ErrorReply``) or cut its reply short and drop the connection (``CutReply``). ``Gate`` is
-a TCP relay in front of it that can go down (listening socket closed, live connections
-reset) and come back on the same port, which is what a client sees of a server that stops;
-moto's state lives on behind it.
+(``ErrorReply``) or cut its reply short and drop the connection (``CutReply``). The tests
+put ``aiockpt.storage.testing.Relay`` in front of it for a server that stops and comes back,
+moto's state living on behind it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import socket
-import struct
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -131,84 +129,6 @@ def is_upload_part(environ: dict[str, Any]) -> bool:
     """Whether the request is an UploadPart of a multipart upload."""
     query = environ.get("QUERY_STRING", "")
     return environ["REQUEST_METHOD"] == "PUT" and "partNumber=" in query and "uploadId=" in query
-
-
-class Gate:
-    """A TCP relay from ``endpoint`` to ``target_port`` that can be taken down and back up."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
-        probe = socket.socket()
-        probe.bind(("127.0.0.1", 0))
-        self.port = probe.getsockname()[1]
-        probe.close()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self._lock = threading.Lock()
-        self._conns: set[socket.socket] = set()
-        self._listener: socket.socket | None = None
-        self.up()
-
-    def up(self) -> None:
-        """Listen on ``port`` again and relay what comes in."""
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", self.port))
-        sock.listen(64)
-        self._listener = sock
-        threading.Thread(target=self._accept, args=(sock,), daemon=True).start()
-
-    def down(self) -> None:
-        """Refuse new connections and reset every open one."""
-        with self._lock:
-            sock, self._listener = self._listener, None
-            conns, self._conns = self._conns, set()
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
-        for c in conns:
-            with contextlib.suppress(OSError):
-                # linger 0: close sends RST, the client sees "connection reset"
-                c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                c.close()
-
-    def _accept(self, sock: socket.socket) -> None:
-        while True:
-            try:
-                client, _ = sock.accept()
-            except OSError:
-                return
-            try:
-                server = socket.create_connection(("127.0.0.1", self.target_port))
-            except OSError:
-                client.close()
-                continue
-            with self._lock:
-                if self._listener is not sock:
-                    client.close()
-                    server.close()
-                    return
-                self._conns |= {client, server}
-            left = [2]  # directions still open; the last one closes both sockets
-            for a, b in ((client, server), (server, client)):
-                threading.Thread(target=self._pipe, args=(a, b, left), daemon=True).start()
-
-    def _pipe(self, src: socket.socket, dst: socket.socket, left: list[int]) -> None:
-        try:
-            while data := src.recv(1 << 20):
-                dst.sendall(data)
-        except OSError:
-            pass
-        with contextlib.suppress(OSError):
-            dst.shutdown(socket.SHUT_WR)
-        with self._lock:
-            left[0] -= 1
-            last = left[0] == 0
-            if last:
-                self._conns -= {src, dst}
-        if last:
-            src.close()
-            dst.close()
 
 
 @contextlib.contextmanager

@@ -10,14 +10,14 @@ from typing import Any
 
 import pytest
 import torch
-from _s3server import CutReply, ErrorReply, Gate, S3Server, is_upload_part
+from _s3server import CutReply, ErrorReply, S3Server, is_upload_part
 
 import aiockpt_s3
 from aiockpt import AsyncCheckpointManager
 from aiockpt.errors import LeaseLostError, RootLockedError, StorageError
 from aiockpt.retention import LatestN
 from aiockpt.storage import open_storage
-from aiockpt.storage.testing import StorageContract
+from aiockpt.storage.testing import Relay, StorageContract
 
 MiB = 1024 * 1024
 # Small parts so a few MiB make a multipart upload; fast retries so failures are quick.
@@ -455,7 +455,7 @@ async def test_manager_on_a_missing_bucket_fails_clearly(s3: S3Server) -> None:
 
 @pytest.mark.anyio
 async def test_server_down_in_the_middle_of_a_multipart_upload(s3: S3Server, bucket: str) -> None:
-    gate = Gate(s3.port)
+    gate = Relay(s3.port)
     seen = {"parts": 0}
     lock = threading.Lock()
 
