@@ -16,6 +16,7 @@ PUBLIC_MODULES = [
     "aiockpt.events",
     "aiockpt.retention",
     "aiockpt.storage",
+    "aiockpt.storage.objects",
     "aiockpt.storage.testing",
 ]
 

@@ -331,10 +331,13 @@ class Relay:
         self.endpoint = f"http://127.0.0.1:{self.port}"
 
     def reset_next(self, n: int) -> None:
+        """Reset the next ``n`` connections as they come in."""
         with self._lock:
             self._resets = n
 
     def trip(self, nbytes: int, action: Callable[[], None]) -> None:
+        """Once a connection has sent ``nbytes`` towards the server, run ``action()`` and
+        reset every open connection; once."""
         with self._lock:
             self._trip = (nbytes, action)
 
@@ -363,7 +366,9 @@ class Relay:
             sock.close()
         self.reset_all()
 
-    close = down
+    def close(self) -> None:
+        """Down for good (see down)."""
+        self.down()
 
     def reset_all(self) -> None:
         """Reset every connection open through the relay."""

@@ -25,8 +25,6 @@ import dataclasses
 import errno as errno_mod
 import itertools
 import logging
-import random
-import traceback
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -35,6 +33,16 @@ import fsspec.asyn
 
 from aiockpt.errors import StorageError
 from aiockpt.storage._stream import InFlight, cut_parts
+from aiockpt.storage.objects import (
+    GaveUp,
+    Retrier,
+    clear_frames,
+    gather_or_cancel,
+    key_under,
+    run_sync,
+    settle,
+    storage_errors,
+)
 
 __all__ = ["AzureOptions", "AzureStorage", "open_azure"]
 
@@ -85,14 +93,6 @@ class AzureOptions:
         return cls(**ours), {k: v for k, v in options.items() if k not in names}
 
 
-class GaveUp(Exception):
-    """A call failed for good: not transient, or out of retries."""
-
-    def __init__(self, op: str, key: str, cause: BaseException, attempts: int) -> None:
-        super().__init__(op, key)
-        self.op, self.key, self.cause, self.attempts = op, key, cause, attempts
-
-
 def _status(e: BaseException) -> int:
     return int(getattr(e, "status_code", 0) or 0)
 
@@ -137,6 +137,13 @@ class AzureStorage:
         self.container = container
         self.prefix = prefix.strip("/")
         self.options, fs_options = AzureOptions.split(options)
+        self._retrier = Retrier(
+            self.options.retries,
+            self.options.backoff,
+            self.options.max_backoff,
+            transient=is_transient,
+            where=self.where,
+        )
         if fs_options.get("asynchronous"):
             raise ValueError(
                 "storage option 'asynchronous' is not supported: aiockpt owns the loop"
@@ -149,51 +156,17 @@ class AzureStorage:
     # ----------------------------------------------------------------- plumbing
 
     def _key(self, path: str) -> str:
-        path = path.strip("/")
-        if self.prefix and path:
-            return f"{self.prefix}/{path}"
-        return self.prefix or path
+        return key_under(self.prefix, path)
 
     def where(self, key: str) -> str:
         return f"az://{self.container}/{key}"
 
-    def _delay(self, attempt: int) -> float:
-        cap = min(self.options.max_backoff, self.options.backoff * (2**attempt))
-        return cap / 2 + random.uniform(0, cap / 2)
-
-    async def _call(self, op: str, key: str, fn: Callable[[], Awaitable[T]]) -> T:
-        """``fn()`` with retries on transient errors; raises GaveUp at the end."""
-        attempt = 0
-        while True:
-            try:
-                return await fn()
-            except Exception as e:
-                if attempt >= self.options.retries or not is_transient(e):
-                    raise GaveUp(op, key, e, attempt + 1) from e
-                log.debug("%s %s: %s; retry %d", op, self.where(key), e, attempt + 1)
-                # Dropped, but not freed: azure-core's retry policy keeps the error in its
-                # history, which a frame of the error's own traceback holds, a cycle only the
-                # garbage collector ends; and those frames hold views of the caller's buffers.
-                _clear_frames(e)
-            await asyncio.sleep(self._delay(attempt))
-            attempt += 1
-
     def _run(self, op: str, path: str, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run a coroutine on adlfs's loop thread; any failure becomes a StorageError."""
+        key = self._key(path)
         if self._closed:
-            raise StorageError(f"{op} {self.where(self._key(path))}: the storage is closed")
-        try:
-            return fsspec.asyn.sync(self.fs.loop, fn, *args)
-        except StorageError:
-            raise
-        except GaveUp as e:
-            err = self._error(e.op, e.key, e.cause, e.attempts)
-            _clear_frames(e)
-            raise err from None
-        except Exception as e:
-            err = self._error(op, self._key(path), e, 1)
-            _clear_frames(e)
-            raise err from None
+            raise StorageError(f"{op} {self.where(key)}: the storage is closed")
+        return run_sync(self.fs.loop, op, key, self._error, fn, *args)
 
     def _error(self, op: str, key: str, e: BaseException, attempts: int) -> StorageError:
         where = self.where(key)
@@ -260,26 +233,18 @@ class AzureStorage:
             raise
 
     async def _call_stage(self, key: str, blob: Any, block_id: str, data: bytes) -> None:
-        await self._call("write", key, lambda: self._stage(blob, block_id, data))
+        await self._retrier.run("write", key, lambda: self._stage(blob, block_id, data))
 
     async def _commit(self, key: str, blob: Any, ids: list[str]) -> None:
         from azure.storage.blob import BlobBlock
 
         blocks = [BlobBlock(block_id=i) for i in ids]
-        await self._call("write", key, lambda: blob.commit_block_list(blocks, retry_total=0))
+        await self._retrier.run("write", key, lambda: blob.commit_block_list(blocks, retry_total=0))
 
     def _wait_all(self, staging: InFlight, path: str) -> None:
         """Wait for every staged block; a failure becomes a StorageError, as in _run."""
-        try:
+        with storage_errors("write", self._key(path), self._error):
             staging.results()
-        except GaveUp as e:
-            err = self._error(e.op, e.key, e.cause, e.attempts)
-            _clear_frames(e)
-            raise err from None
-        except Exception as e:
-            err = self._error("write", self._key(path), e, 1)
-            _clear_frames(e)
-            raise err from None
 
     async def _write(self, key: str, buffers: Sequence[memoryview]) -> None:
         views = [memoryview(b).cast("B") for b in buffers]
@@ -296,7 +261,7 @@ class AzureStorage:
     async def _put(self, key: str, data: bytes, overwrite: bool) -> None:
         blob = self._container.get_blob_client(key)
         op = "write" if overwrite else "create"
-        await self._call(
+        await self._retrier.run(
             op,
             key,
             lambda: blob.upload_blob(
@@ -313,7 +278,7 @@ class AzureStorage:
 
         async def worker() -> None:
             for block_id, (start, stop) in todo:  # shared iterator: each block taken once
-                await self._call(
+                await self._retrier.run(
                     "write",
                     key,
                     lambda b=block_id, lo=start, hi=stop: self._stage(  # type: ignore[misc]
@@ -321,13 +286,13 @@ class AzureStorage:
                     ),
                 )
 
-        await _gather_or_cancel(
+        await gather_or_cancel(
             [worker() for _ in range(min(self.options.concurrency, len(ranges)))]
         )
         from azure.storage.blob import BlobBlock
 
         blocks = [BlobBlock(block_id=i) for i in ids]
-        await self._call("write", key, lambda: blob.commit_block_list(blocks, retry_total=0))
+        await self._retrier.run("write", key, lambda: blob.commit_block_list(blocks, retry_total=0))
 
     async def _stage(self, blob: Any, block_id: str, data: memoryview | bytes) -> None:
         """Stage one block, its body sent in 1 MiB copies of the caller's memory (aiohttp
@@ -340,8 +305,8 @@ class AzureStorage:
         finally:
             # aiohttp may leave its writer task sending the body after a failed request, and
             # its error, with the frames it went through, until the error is taken.
-            for e in await _settle(writers):
-                _clear_frames(e)
+            for e in await settle(writers):
+                clear_frames(e)
             writers.clear()
             held.clear()  # the body, even if never started, holds no view of the caller's
             with contextlib.suppress(RuntimeError):
@@ -385,12 +350,12 @@ class AzureStorage:
             async with sem:
                 blob = self._container.get_blob_client(k)
                 try:
-                    await self._call("delete", k, lambda: blob.delete_blob(retry_total=0))
+                    await self._retrier.run("delete", k, lambda: blob.delete_blob(retry_total=0))
                 except GaveUp as e:
                     if _status(e.cause) != 404 or _code(e.cause) == "ContainerNotFound":
                         raise
 
-        await _gather_or_cancel([one(k) for k in keys])
+        await gather_or_cancel([one(k) for k in keys])
 
     # ----------------------------------------------------------------- reads
 
@@ -412,7 +377,7 @@ class AzureStorage:
             )
             return bytes(await stream.readall())
 
-        data = await self._call("read", key, get)
+        data = await self._retrier.run("read", key, get)
         if exact and len(data) != length:
             raise StorageError(
                 f"read {self.where(key)} failed: the blob ends before byte {offset + length}",
@@ -440,7 +405,7 @@ class AzureStorage:
             async with sem:
                 out[lo:hi] = await self._read(key, offset + lo, hi - lo)
 
-        await _gather_or_cancel(
+        await gather_or_cancel(
             [one(lo, min(lo + step, len(out))) for lo in range(0, len(out), step)]
         )
 
@@ -450,7 +415,9 @@ class AzureStorage:
 
     async def _size(self, key: str) -> int:
         blob = self._container.get_blob_client(key)
-        props = await self._call("stat", key, lambda: blob.get_blob_properties(retry_total=0))
+        props = await self._retrier.run(
+            "stat", key, lambda: blob.get_blob_properties(retry_total=0)
+        )
         return int(props.size)
 
     def exists(self, path: str) -> bool:
@@ -494,7 +461,7 @@ class AzureStorage:
                     break
             return out
 
-        return await self._call("list", prefix, listing)
+        return await self._retrier.run("list", prefix, listing)
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -549,73 +516,6 @@ def _slice(views: list[memoryview], start: int, stop: int) -> memoryview | bytes
             pieces.append(v[lo - base : hi - base])
         base += len(v)
     return pieces[0] if len(pieces) == 1 else b"".join(pieces)
-
-
-async def _gather_or_cancel(coros: list[Awaitable[None]]) -> None:
-    """Run ``coros`` together; the first failure cancels the rest and is raised."""
-    if not coros:
-        return
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    except BaseException:  # cancelled: the tasks go too, and their errors with them
-        for e in await _settle(tasks):
-            _clear_frames(e)
-        raise
-    errors = await _settle(tasks)
-    if errors:
-        for e in errors[1:]:
-            _clear_frames(e)  # not raised, and its frames hold views of the caller's buffers
-        raise errors[0]
-
-
-async def _settle(tasks: Iterable[asyncio.Task[Any]]) -> list[BaseException]:
-    """Cancel those of ``tasks`` still running, wait for all to end, and return the errors
-    they ended with (cancellations aside: their frames are cleared). A task keeps its error,
-    and with it the frames it went through, until the error is taken from it."""
-    tasks = list(tasks)
-    me = asyncio.current_task()
-    try:
-        left = [t for t in tasks if t is not me and not t.done()]
-        for t in left:
-            t.cancel()
-        if left:
-            await asyncio.wait(left)
-        errors: list[BaseException] = []
-        for t in tasks:
-            if t is me or not t.done():
-                continue
-            try:
-                t.result()
-            except asyncio.CancelledError as e:
-                _clear_frames(e)
-            except BaseException as e:
-                errors.append(e)
-        return errors
-    finally:
-        tasks = left = me = None  # type: ignore[assignment]
-
-
-def _clear_frames(e: BaseException | None) -> None:
-    """Drop the locals of finished frames in ``e``'s chain (causes and contexts): they hold
-    views of the caller's buffers, which must not outlive the call."""
-    seen: set[int] = set()
-    todo = [e]
-    while todo:
-        cur = todo.pop()
-        if cur is None or id(cur) in seen:
-            continue
-        seen.add(id(cur))
-        for tb in (cur.__traceback__, getattr(cur, "exc_traceback", None)):
-            if tb is not None:
-                traceback.clear_frames(tb)
-        # azure-core's errors keep the error they wrap (and its traceback) as attributes
-        todo += [cur.__cause__, cur.__context__]
-        todo += [
-            x
-            for x in (getattr(cur, a, None) for a in ("inner_exception", "exc_value"))
-            if isinstance(x, BaseException)
-        ]
 
 
 def open_azure(url: str, storage_options: dict[str, Any]) -> AzureStorage:

@@ -7,11 +7,8 @@ import asyncio
 import base64
 import errno as errno_mod
 import json
-import logging
-import random
-import traceback
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, NamedTuple, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 from urllib.parse import quote
 
 import aiohttp
@@ -19,11 +16,9 @@ import crc32c
 from aiohttp.payload import BytesPayload, Payload
 
 from aiockpt.errors import StorageError
+from aiockpt.storage.objects import Retrier, clear_frames
 
 from ._options import GCSOptions
-
-log = logging.getLogger("aiockpt")
-T = TypeVar("T")
 
 #: HTTP statuses after which a retry of the same request may succeed.
 TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
@@ -35,14 +30,6 @@ class RequestFailed(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(f"HTTP {status}: {message}")
         self.status, self.message = status, message
-
-
-class GaveUp(Exception):
-    """A request failed for good: not transient, or out of retries."""
-
-    def __init__(self, op: str, key: str, cause: BaseException, attempts: int) -> None:
-        super().__init__(op, key)
-        self.op, self.key, self.cause, self.attempts = op, key, cause, attempts
 
 
 def status_of(e: BaseException) -> int:
@@ -152,6 +139,13 @@ class BucketClient:
         location = fs._location.rstrip("/")
         self.objects = f"{location}/storage/v1/b/{quote(bucket, safe='')}/o"
         self.uploads = f"{location}/upload/storage/v1/b/{quote(bucket, safe='')}/o"
+        self.retrier = Retrier(
+            options.retries,
+            options.backoff,
+            options.max_backoff,
+            transient=is_transient,
+            where=self.where,
+        )
         self._timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=options.connect_timeout, sock_read=options.read_timeout
         )
@@ -161,24 +155,6 @@ class BucketClient:
 
     def object_url(self, key: str) -> str:
         return f"{self.objects}/{quote(key, safe='')}"
-
-    def delay(self, attempt: int) -> float:
-        """Seconds to wait after failed attempt ``attempt`` (0 for the first), jittered."""
-        cap = min(self.options.max_backoff, self.options.backoff * (2**attempt))
-        return cap / 2 + random.uniform(0, cap / 2)
-
-    async def retried(self, op: str, key: str, fn: Callable[[], Awaitable[T]]) -> T:
-        """``fn()`` with retries on transient errors; raises GaveUp at the end."""
-        attempt = 0
-        while True:
-            try:
-                return await fn()
-            except Exception as e:
-                if attempt >= self.options.retries or not is_transient(e):
-                    raise GaveUp(op, key, e, attempt + 1) from e
-                log.debug("%s %s: %s; retry %d", op, self.where(key), e, attempt + 1)
-            await asyncio.sleep(self.delay(attempt))
-            attempt += 1
 
     async def call(
         self,
@@ -194,7 +170,7 @@ class BucketClient:
     ) -> Reply:
         """One request, retried; ``body()`` makes its body afresh for each try, ``into``
         receives the answer's bytes."""
-        return await self.retried(
+        return await self.retrier.run(
             op, key, lambda: self._once(method, url, params, headers, body, into)
         )
 
@@ -281,19 +257,3 @@ def _os_errno(e: BaseException) -> int | None:
             return int(cur.errno)
         cur = cur.__cause__ or cur.__context__
     return None
-
-
-def clear_frames(e: BaseException | None) -> None:
-    """Drop the locals of finished frames in ``e``'s chain (causes and contexts both): they
-    hold views of the caller's buffers, which must not outlive the call (shared memory cannot
-    be unmapped under them)."""
-    seen: set[int] = set()
-    todo = [e]
-    while todo:
-        cur = todo.pop()
-        if cur is None or id(cur) in seen:
-            continue
-        seen.add(id(cur))
-        if cur.__traceback__ is not None:
-            traceback.clear_frames(cur.__traceback__)
-        todo += [cur.__cause__, cur.__context__]

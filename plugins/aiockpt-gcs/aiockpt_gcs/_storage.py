@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import errno as errno_mod
 import json
-import logging
 import uuid
 import warnings
 from collections.abc import Awaitable, Callable, Sequence
@@ -35,21 +34,13 @@ from typing import Any, TypeVar
 import fsspec.asyn
 
 from aiockpt.errors import StorageError
+from aiockpt.storage.objects import GaveUp, gather_or_cancel, key_under, run_sync
 
-from ._client import (
-    BucketClient,
-    GaveUp,
-    ViewsPayload,
-    clear_frames,
-    crc32c_b64,
-    status_of,
-    storage_error,
-)
+from ._client import BucketClient, ViewsPayload, crc32c_b64, status_of, storage_error
 from ._options import GCSOptions
 
 __all__ = ["GCSOptions", "GCSStorage", "open_gcs"]
 
-log = logging.getLogger("aiockpt")
 T = TypeVar("T")
 
 
@@ -85,27 +76,17 @@ class GCSStorage:
     # ----------------------------------------------------------------- plumbing
 
     def _key(self, path: str) -> str:
-        path = path.strip("/")
-        if self.prefix and path:
-            return f"{self.prefix}/{path}"
-        return self.prefix or path
+        return key_under(self.prefix, path)
 
     def _run(self, op: str, path: str, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run a coroutine on gcsfs's loop thread; any failure becomes a StorageError."""
+        key = self._key(path)
         if self._closed:
-            raise StorageError(f"{op} {self._client.where(self._key(path))}: the storage is closed")
-        try:
-            return fsspec.asyn.sync(self.fs.loop, fn, *args)
-        except StorageError:
-            raise
-        except GaveUp as e:
-            err = storage_error(e.op, self._client.where(e.key), self.bucket, e.cause, e.attempts)
-            clear_frames(e)
-            raise err from None
-        except Exception as e:
-            err = storage_error(op, self._client.where(self._key(path)), self.bucket, e, 1)
-            clear_frames(e)
-            raise err from None
+            raise StorageError(f"{op} {self._client.where(key)}: the storage is closed")
+        return run_sync(self.fs.loop, op, key, self._error, fn, *args)
+
+    def _error(self, op: str, key: str, e: BaseException, attempts: int) -> StorageError:
+        return storage_error(op, self._client.where(key), self.bucket, e, attempts)
 
     # ----------------------------------------------------------------- writes
 
@@ -198,7 +179,7 @@ class GCSStorage:
                     if status_of(e.cause) != 404:  # gone already: a retried delete, or a race
                         raise
 
-        await _gather_or_cancel([one(k) for k in keys])
+        await gather_or_cancel([one(k) for k in keys])
 
     # ----------------------------------------------------------------- reads
 
@@ -245,7 +226,7 @@ class GCSStorage:
                         errno=errno_mod.EIO,
                     )
 
-        await _gather_or_cancel(
+        await gather_or_cancel(
             [one(lo, min(lo + step, len(out))) for lo in range(0, len(out), step)]
         )
 
@@ -317,22 +298,6 @@ class GCSStorage:
             with contextlib.suppress(Exception):
                 fsspec.asyn.sync(self.fs.loop, session.close, timeout=10)
         self.fs._session = None
-
-
-async def _gather_or_cancel(coros: list[Awaitable[None]]) -> None:
-    """Run ``coros`` together; the first failure cancels the rest and is raised."""
-    if not coros:
-        return
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.wait(tasks)
-    for t in tasks:
-        if not t.cancelled() and t.exception() is not None:
-            raise t.exception()  # type: ignore[misc]
 
 
 def open_gcs(url: str, storage_options: dict[str, Any]) -> GCSStorage:

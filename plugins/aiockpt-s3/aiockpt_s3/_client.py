@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
-from ._errors import GaveUp, error_code, no_such_bucket
+from aiockpt.storage.objects import GaveUp, Retrier
+
+from ._errors import error_code, is_transient, no_such_bucket
 from ._options import S3Options
-from ._retry import Retrier
 
 T = TypeVar("T")
 
@@ -22,7 +23,13 @@ class BucketClient:
     def __init__(self, fs: Any, bucket: str, options: S3Options) -> None:
         self.fs = fs
         self.bucket = bucket
-        self.retrier = Retrier(options.retries, options.backoff, options.max_backoff, self.where)
+        self.retrier = Retrier(
+            options.retries,
+            options.backoff,
+            options.max_backoff,
+            transient=is_transient,
+            where=self.where,
+        )
 
     def where(self, key: str) -> str:
         """The URL of ``key``, for messages."""

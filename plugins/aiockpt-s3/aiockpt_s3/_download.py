@@ -18,10 +18,10 @@ from typing import Any
 from botocore.exceptions import IncompleteReadError
 
 from aiockpt.errors import StorageError
+from aiockpt.storage.objects import GaveUp, gather_or_cancel
 
 from ._client import BucketClient
-from ._errors import GaveUp, error_code
-from ._transfer import gather_or_cancel
+from ._errors import error_code
 
 #: Bytes asked of a body at a time where it is not aiohttp's (which hands over what came in).
 _CHUNK = 1024 * 1024

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import errno as errno_mod
-import traceback
 
 # aiohttp is what aiobotocore sends with; its errors can escape botocore's wrapping.
 from aiohttp import ClientError as _AiohttpError
@@ -13,6 +12,7 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 from botocore.parsers import ResponseParserError
 
 from aiockpt.errors import StorageError
+from aiockpt.storage.objects import GaveUp
 
 #: Error codes S3 (and S3-compatible servers) answer when a retry may succeed.
 TRANSIENT_CODES = frozenset(
@@ -33,14 +33,6 @@ TRANSIENT_CODES = frozenset(
         "BadDigest",
     }
 )
-
-
-class GaveUp(Exception):
-    """A request failed for good: not transient, or out of retries."""
-
-    def __init__(self, op: str, key: str, cause: BaseException, attempts: int) -> None:
-        super().__init__(op, key)
-        self.op, self.key, self.cause, self.attempts = op, key, cause, attempts
 
 
 def error_code(e: BaseException) -> tuple[str, int]:
@@ -124,14 +116,3 @@ def _os_errno(e: BaseException) -> int | None:
             return cur.errno
         cur = cur.__cause__ or cur.__context__
     return None
-
-
-def clear_frames(e: BaseException | None) -> None:
-    """Drop the locals of finished frames in ``e``'s chain: they hold views of the caller's
-    buffers, which must not outlive the call (shared memory cannot be unmapped under them)."""
-    seen: set[int] = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if e.__traceback__ is not None:
-            traceback.clear_frames(e.__traceback__)
-        e = e.__cause__ or e.__context__

@@ -9,10 +9,12 @@ from typing import Any
 
 from botocore.exceptions import ClientError
 
+from aiockpt.storage.objects import GaveUp, gather_or_cancel
+
 from ._client import BucketClient
-from ._errors import GaveUp, error_code
+from ._errors import error_code
 from ._options import MAX_PARTS, S3Options
-from ._transfer import ViewPayload, checksum_params, gather_or_cancel
+from ._transfer import ViewPayload, checksum_params
 
 log = logging.getLogger("aiockpt")
 

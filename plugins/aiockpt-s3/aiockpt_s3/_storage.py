@@ -25,10 +25,11 @@ import fsspec.asyn
 from botocore.exceptions import ClientError
 
 from aiockpt.errors import StorageError
+from aiockpt.storage.objects import GaveUp, key_under, run_sync, storage_errors
 
 from ._client import BucketClient
 from ._download import download_into
-from ._errors import GaveUp, clear_frames, error_code, storage_error
+from ._errors import error_code, storage_error
 from ._multipart import MultipartUploader
 from ._options import S3Options
 from ._stream import write_stream
@@ -95,28 +96,14 @@ class S3Storage:
     # ----------------------------------------------------------------- plumbing
 
     def _key(self, path: str) -> str:
-        path = path.strip("/")
-        if self.prefix and path:
-            return f"{self.prefix}/{path}"
-        return self.prefix or path
+        return key_under(self.prefix, path)
 
     def _run(self, op: str, path: str, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run a coroutine on s3fs's loop thread; any failure becomes a StorageError."""
+        key = self._key(path)
         if self._closed:
-            where = self._client.where(self._key(path))
-            raise StorageError(f"{op} {where}: the storage is closed")
-        try:
-            return fsspec.asyn.sync(self.fs.loop, fn, *args)
-        except StorageError:
-            raise
-        except GaveUp as e:
-            err = self._error(e.op, e.key, e.cause, e.attempts)
-            clear_frames(e)
-            raise err from None
-        except Exception as e:
-            err = self._error(op, self._key(path), e, 1)
-            clear_frames(e)
-            raise err from None
+            raise StorageError(f"{op} {self._client.where(key)}: the storage is closed")
+        return run_sync(self.fs.loop, op, key, self._error, fn, *args)
 
     def _error(self, op: str, key: str, e: BaseException, attempts: int) -> StorageError:
         return storage_error(op, self._client.where(key), self.bucket, e, attempts)
@@ -139,16 +126,8 @@ class S3Storage:
 
     def _result(self, results: Callable[[], T], path: str) -> T:
         """What ``results`` gives; a failure becomes a StorageError, as in _run."""
-        try:
+        with storage_errors("write", self._key(path), self._error):
             return results()
-        except GaveUp as e:
-            err = self._error(e.op, e.key, e.cause, e.attempts)
-            clear_frames(e)
-            raise err from None
-        except Exception as e:
-            err = self._error("write", self._key(path), e, 1)
-            clear_frames(e)
-            raise err from None
 
     async def _write(self, key: str, buffers: Sequence[memoryview]) -> None:
         await self._uploads.flush_aborts()

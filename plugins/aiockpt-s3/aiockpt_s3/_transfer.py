@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-from collections.abc import Awaitable
 from typing import Any
 
 import crc32c
@@ -54,17 +53,3 @@ async def checksum_params(checksum: str | None, body: memoryview | bytes) -> dic
     # crc32c releases the GIL: off the loop thread, parts are checksummed in parallel.
     value = await asyncio.get_running_loop().run_in_executor(None, _b64crc, body)
     return {"ChecksumCRC32C": value}
-
-
-async def gather_or_cancel(coros: list[Awaitable[None]]) -> None:
-    """Run ``coros`` together; the first failure cancels the rest and is raised."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.wait(tasks)
-    for t in tasks:
-        if not t.cancelled() and t.exception() is not None:
-            raise t.exception()  # type: ignore[misc]

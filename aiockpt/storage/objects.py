@@ -1,0 +1,212 @@
+"""What every object-store plugin needs around its requests, written once.
+
+A storage's methods are blocking; an object store's client is asynchronous, on the event loop
+thread fsspec keeps for it. So a plugin runs a coroutine per call on that loop
+(:func:`run_sync`), retries each request on the errors its store calls transient
+(:class:`Retrier`, raising :class:`GaveUp` at the end), sends or reads the parts of a file
+together and stops them all at the first failure (:func:`gather_or_cancel`), and turns
+whatever failed into a :class:`~aiockpt.errors.StorageError` naming the object.
+
+One duty runs through all of it: a write is handed views of the daemon's shared memory, and
+no view may outlive the call (the memory is reused, or unmapped, once the call returns). The
+frames of a traceback hold views in their locals, and an error kept anywhere (a task that
+failed, a retry's history, the error an SDK wraps) keeps its traceback; so every error this
+module drops or turns into another has its frames cleared (:func:`clear_frames`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import traceback
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from typing import Any, TypeVar
+
+import fsspec.asyn
+
+from ..errors import StorageError
+
+__all__ = [
+    "GaveUp",
+    "Retrier",
+    "clear_frames",
+    "gather_or_cancel",
+    "key_under",
+    "run_sync",
+    "settle",
+    "storage_errors",
+]
+
+log = logging.getLogger("aiockpt")
+T = TypeVar("T")
+
+
+class GaveUp(Exception):
+    """A request failed for good: the error was not transient, or the retries ran out.
+    ``op`` and ``key`` name the request, ``cause`` is its last error, ``attempts`` how many
+    times it was sent."""
+
+    def __init__(self, op: str, key: str, cause: BaseException, attempts: int) -> None:
+        super().__init__(op, key)
+        self.op, self.key, self.cause, self.attempts = op, key, cause, attempts
+
+
+class Retrier:
+    """Sends a request again after a transient error, at most ``retries`` more times.
+
+    The n-th retry waits ``backoff * 2**n`` seconds capped at ``max_backoff``, with equal
+    jitter (half the wait fixed, half random) so that requests failing together do not retry
+    together. ``transient(e)`` says whether a retry may succeed after ``e``; ``where(key)``
+    names a key in the log lines.
+    """
+
+    def __init__(
+        self,
+        retries: int,
+        backoff: float,
+        max_backoff: float,
+        *,
+        transient: Callable[[BaseException], bool],
+        where: Callable[[str], str],
+    ) -> None:
+        self.retries = retries
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self._transient = transient
+        self._where = where
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait after failed attempt ``attempt`` (0 for the first)."""
+        cap = min(self.max_backoff, self.backoff * (2**attempt))
+        return cap / 2 + random.uniform(0, cap / 2)
+
+    async def run(self, op: str, key: str, fn: Callable[[], Awaitable[T]]) -> T:
+        """``fn()``, called again after each transient error while retries are left; the
+        last error is raised as :class:`GaveUp`."""
+        attempt = 0
+        while True:
+            try:
+                return await fn()
+            except Exception as e:
+                if attempt >= self.retries or not self._transient(e):
+                    raise GaveUp(op, key, e, attempt + 1) from e
+                log.debug("%s %s: %s; retry %d", op, self._where(key), e, attempt + 1)
+                # Dropped, but not always freed: azure-core's retry policy keeps the error in
+                # its history, which a frame of the error's own traceback holds (a cycle only
+                # the garbage collector ends), and those frames hold views of the buffers.
+                clear_frames(e)
+            await asyncio.sleep(self.delay(attempt))
+            attempt += 1
+
+
+def run_sync(
+    loop: asyncio.AbstractEventLoop,
+    op: str,
+    key: str,
+    error: Callable[[str, str, BaseException, int], StorageError],
+    fn: Callable[..., Awaitable[T]],
+    *args: Any,
+) -> T:
+    """Run ``fn(*args)`` on ``loop`` (fsspec's loop thread) and wait for it, its failure
+    turned into a StorageError as :func:`storage_errors` says."""
+    with storage_errors(op, key, error):
+        return fsspec.asyn.sync(loop, fn, *args)
+
+
+@contextlib.contextmanager
+def storage_errors(
+    op: str, key: str, error: Callable[[str, str, BaseException, int], StorageError]
+) -> Iterator[None]:
+    """Within the block, a StorageError is raised as it is; a :class:`GaveUp` becomes
+    ``error(op, key, cause, attempts)`` with the request's own op, key and count; any other
+    failure ``error(op, key, e, 1)``. The frames of what it replaces are cleared."""
+    try:
+        yield
+    except StorageError:
+        raise
+    except GaveUp as e:
+        err = error(e.op, e.key, e.cause, e.attempts)
+        clear_frames(e)
+        raise err from None
+    except Exception as e:
+        err = error(op, key, e, 1)
+        clear_frames(e)
+        raise err from None
+
+
+async def gather_or_cancel(coros: Iterable[Awaitable[None]]) -> None:
+    """Run ``coros`` together; the first failure cancels the others, waits for them to end
+    and is raised. Cancelled from outside, it cancels and waits for them all the same."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    if not tasks:
+        return
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    except BaseException:  # cancelled: the tasks go too, and their errors with them
+        for e in await settle(tasks):
+            clear_frames(e)
+        raise
+    errors = await settle(tasks)
+    if errors:
+        for e in errors[1:]:
+            clear_frames(e)  # not raised, and its frames hold views of the caller's buffers
+        raise errors[0]
+
+
+async def settle(tasks: Iterable[asyncio.Task[Any]]) -> list[BaseException]:
+    """Cancel those of ``tasks`` still running, wait for all to end, and return the errors
+    they ended with (cancellations aside: their frames are cleared). A task keeps its error,
+    and with it the frames it went through, until the error is taken from it."""
+    tasks = list(tasks)
+    me = asyncio.current_task()
+    try:
+        left = [t for t in tasks if t is not me and not t.done()]
+        for t in left:
+            t.cancel()
+        if left:
+            await asyncio.wait(left)
+        errors: list[BaseException] = []
+        for t in tasks:
+            if t is me or not t.done():
+                continue
+            try:
+                t.result()
+            except asyncio.CancelledError as e:
+                clear_frames(e)
+            except BaseException as e:
+                errors.append(e)
+        return errors
+    finally:
+        tasks = left = me = None  # type: ignore[assignment]
+
+
+def clear_frames(e: BaseException | None) -> None:
+    """Drop the locals of the finished frames of ``e`` and of every error it leads to: its
+    cause and context, and the error an SDK keeps as an attribute (azure-core's
+    ``inner_exception``, ``exc_value`` and ``exc_traceback``)."""
+    seen: set[int] = set()
+    todo = [e]
+    while todo:
+        cur = todo.pop()
+        if cur is None or id(cur) in seen:
+            continue
+        seen.add(id(cur))
+        for tb in (cur.__traceback__, getattr(cur, "exc_traceback", None)):
+            if tb is not None:
+                traceback.clear_frames(tb)
+        todo += [cur.__cause__, cur.__context__]
+        todo += [
+            x
+            for x in (getattr(cur, a, None) for a in ("inner_exception", "exc_value"))
+            if isinstance(x, BaseException)
+        ]
+
+
+def key_under(prefix: str, path: str) -> str:
+    """The object key of ``path`` (a root-relative path) under the root's ``prefix``."""
+    path = path.strip("/")
+    if prefix and path:
+        return f"{prefix}/{path}"
+    return prefix or path
