@@ -14,6 +14,7 @@ from aiockpt.storage.objects import (
     GaveUp,
     Retrier,
     clear_frames,
+    failed,
     gather_or_cancel,
     key_under,
     run_sync,
@@ -109,6 +110,28 @@ def test_failures_become_storage_errors_naming_the_request() -> None:
         storage_errors("write", "k", as_error),
     ):
         raise ValueError("x")
+
+
+def test_a_failure_says_what_failed_where_after_how_many_tries_and_why() -> None:
+    refused = ConnectionRefusedError(errno.ECONNREFUSED, "refused")
+    wrapped = RuntimeError("cannot connect\nwith a long second line")
+    wrapped.__cause__ = refused
+    err = failed("read", "x://b/k", wrapped, 3)
+    assert str(err) == "read x://b/k failed after 3 attempts: RuntimeError: cannot connect"
+    assert (err.errno, err.path, err.__cause__) == (errno.ECONNREFUSED, "x://b/k", wrapped)
+
+    err = failed("write", "x://b/k", TimeoutError(), 1)
+    assert str(err) == "write x://b/k failed: TimeoutError: "
+    assert err.errno == errno.ETIMEDOUT
+    assert failed("write", "x://b/k", ValueError("odd"), 1).errno == errno.EIO
+
+    err = failed("stat", "x://b/k", ValueError("404"), 2, ("no such object", errno.ENOENT))
+    assert str(err) == "stat x://b/k failed after 2 attempts: no such object"
+    assert err.errno == errno.ENOENT
+
+    said = StorageError("the file ends early", path="k", errno=errno.EIO)
+    err = failed("read", "x://b/k", said, 5)
+    assert (str(err), err.path, err.errno) == ("the file ends early", "x://b/k", errno.EIO)
 
 
 def test_the_first_failure_cancels_the_rest_and_is_raised() -> None:

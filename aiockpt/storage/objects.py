@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import random
 import traceback
@@ -32,6 +33,7 @@ __all__ = [
     "GaveUp",
     "Retrier",
     "clear_frames",
+    "failed",
     "gather_or_cancel",
     "key_under",
     "run_sync",
@@ -113,6 +115,45 @@ def run_sync(
     turned into a StorageError as :func:`storage_errors` says."""
     with storage_errors(op, key, error):
         return fsspec.asyn.sync(loop, fn, *args)
+
+
+def failed(
+    op: str,
+    where: str,
+    e: BaseException,
+    attempts: int,
+    reason: tuple[str, int] | None = None,
+) -> StorageError:
+    """The StorageError saying that ``op`` on ``where`` failed because of ``e``, after
+    ``attempts`` tries. ``reason`` is what the store's error means, in words, and the errno
+    that says it; without one, the words are the error's first line and the errno that of
+    the first OSError in its chain (ETIMEDOUT for a timeout, EIO otherwise). A StorageError
+    says what went wrong already: only its path becomes ``where``."""
+    if isinstance(e, StorageError):
+        return StorageError(str(e), path=where, errno=e.errno)
+    if reason is None:
+        num = _os_errno(e)
+        if num is None:
+            num = errno.ETIMEDOUT if isinstance(e, TimeoutError) else errno.EIO
+        text = str(e)
+        reason = (f"{type(e).__name__}: {text.splitlines()[0] if text else ''}", num)
+    msg, num = reason
+    tries = f" after {attempts} attempts" if attempts > 1 else ""
+    err = StorageError(f"{op} {where} failed{tries}: {msg}", path=where, errno=num)
+    err.__cause__ = e
+    return err
+
+
+def _os_errno(e: BaseException) -> int | None:
+    """The errno of the first OSError in the chain of ``e``."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and isinstance(cur.errno, int):
+            return int(cur.errno)
+        cur = cur.__cause__ or cur.__context__
+    return None
 
 
 @contextlib.contextmanager

@@ -37,6 +37,7 @@ from aiockpt.storage.objects import (
     GaveUp,
     Retrier,
     clear_frames,
+    failed,
     gather_or_cancel,
     key_under,
     run_sync,
@@ -169,26 +170,17 @@ class AzureStorage:
         return run_sync(self.fs.loop, op, key, self._error, fn, *args)
 
     def _error(self, op: str, key: str, e: BaseException, attempts: int) -> StorageError:
-        where = self.where(key)
         status, code = _status(e), _code(e)
-        if isinstance(e, StorageError):
-            return StorageError(str(e), path=where, errno=e.errno)
-        num: int | None
+        reason: tuple[str, int] | None = None
         if code == "ContainerNotFound":
-            msg, num = f"the container {self.container!r} does not exist", errno_mod.ENOENT
+            reason = f"the container {self.container!r} does not exist", errno_mod.ENOENT
         elif status == 404:
-            msg, num = "no such blob", errno_mod.ENOENT
+            reason = "no such blob", errno_mod.ENOENT
         elif status == 403:
-            msg, num = f"access denied ({code or e})", errno_mod.EACCES
+            reason = f"access denied ({code or e})", errno_mod.EACCES
         elif status == 416:
-            msg, num = "the blob ends before the requested range", errno_mod.EIO
-        else:
-            num = errno_mod.ETIMEDOUT if isinstance(e, TimeoutError) else errno_mod.EIO
-            msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        tries = f" after {attempts} attempts" if attempts > 1 else ""
-        err = StorageError(f"{op} {where} failed{tries}: {msg}", path=where, errno=num)
-        err.__cause__ = e
-        return err
+            reason = "the blob ends before the requested range", errno_mod.EIO
+        return failed(op, self.where(key), e, attempts, reason)
 
     # ----------------------------------------------------------------- writes
 

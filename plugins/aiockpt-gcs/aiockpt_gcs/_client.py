@@ -16,7 +16,7 @@ import crc32c
 from aiohttp.payload import BytesPayload, Payload
 
 from aiockpt.errors import StorageError
-from aiockpt.storage.objects import Retrier, clear_frames
+from aiockpt.storage.objects import Retrier, clear_frames, failed
 
 from ._options import GCSOptions
 
@@ -225,35 +225,14 @@ def storage_error(
     op: str, where: str, bucket: str, e: BaseException, attempts: int
 ) -> StorageError:
     """The StorageError that tells the caller ``op`` on ``where`` failed because of ``e``."""
-    if isinstance(e, StorageError):
-        return StorageError(str(e), path=where, errno=e.errno)
     status = status_of(e)
-    num: int | None
+    reason: tuple[str, int] | None = None
     if status == 404 and op in ("write", "create", "list"):
-        msg, num = f"the bucket {bucket!r} does not exist", errno_mod.ENOENT
+        reason = f"the bucket {bucket!r} does not exist", errno_mod.ENOENT
     elif status == 404:
-        msg, num = "no such object", errno_mod.ENOENT
+        reason = "no such object", errno_mod.ENOENT
     elif status in (401, 403):
-        msg, num = f"access denied ({e})", errno_mod.EACCES
+        reason = f"access denied ({e})", errno_mod.EACCES
     elif status == 416:
-        msg, num = "the object ends before the requested range", errno_mod.EIO
-    else:
-        num = _os_errno(e)
-        if num is None:
-            num = errno_mod.ETIMEDOUT if isinstance(e, TimeoutError) else errno_mod.EIO
-        msg = f"{type(e).__name__}: {e}"
-    tries = f" after {attempts} attempts" if attempts > 1 else ""
-    err = StorageError(f"{op} {where} failed{tries}: {msg}", path=where, errno=num)
-    err.__cause__ = e
-    return err
-
-
-def _os_errno(e: BaseException) -> int | None:
-    seen: set[int] = set()
-    cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        if isinstance(cur, OSError) and isinstance(cur.errno, int):
-            return int(cur.errno)
-        cur = cur.__cause__ or cur.__context__
-    return None
+        reason = "the object ends before the requested range", errno_mod.EIO
+    return failed(op, where, e, attempts, reason)

@@ -12,7 +12,7 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 from botocore.parsers import ResponseParserError
 
 from aiockpt.errors import StorageError
-from aiockpt.storage.objects import GaveUp
+from aiockpt.storage.objects import GaveUp, failed
 
 #: Error codes S3 (and S3-compatible servers) answer when a retry may succeed.
 TRANSIENT_CODES = frozenset(
@@ -73,17 +73,11 @@ def storage_error(
     op: str, where: str, bucket: str, e: BaseException, attempts: int
 ) -> StorageError:
     """The StorageError that tells the caller ``op`` on ``where`` failed because of ``e``."""
-    if isinstance(e, StorageError):  # it says what went wrong already; only the path is ours
-        return StorageError(str(e), path=where, errno=e.errno)
-    msg, num = _reason(e, bucket)
-    tries = f" after {attempts} attempts" if attempts > 1 else ""
-    err = StorageError(f"{op} {where} failed{tries}: {msg}", path=where, errno=num)
-    err.__cause__ = e
-    return err
+    return failed(op, where, e, attempts, _reason(e, bucket))
 
 
-def _reason(e: BaseException, bucket: str) -> tuple[str, int]:
-    """What went wrong, in words, and the errno that says it."""
+def _reason(e: BaseException, bucket: str) -> tuple[str, int] | None:
+    """What went wrong, in words, and the errno that says it; None where ``e`` says it."""
     code, status = error_code(e)
     if code == "NoSuchBucket":
         return f"the bucket {bucket!r} does not exist", errno_mod.ENOENT
@@ -100,19 +94,4 @@ def _reason(e: BaseException, bucket: str) -> tuple[str, int]:
             f"the server refused the request ({e}); if it does not accept S3's additional "
             "checksums, pass storage_options={'checksum': None}"
         ), errno_mod.EINVAL
-    num = _os_errno(e)
-    if num is None:
-        num = errno_mod.ETIMEDOUT if isinstance(e, TimeoutError) else errno_mod.EIO
-    return f"{type(e).__name__}: {e}", num
-
-
-def _os_errno(e: BaseException) -> int | None:
-    """The errno of the first OSError in the chain of ``e``."""
-    seen: set[int] = set()
-    cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        if isinstance(cur, OSError) and isinstance(cur.errno, int):
-            return cur.errno
-        cur = cur.__cause__ or cur.__context__
     return None
