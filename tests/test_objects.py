@@ -4,6 +4,7 @@ that the object-store plugins share."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 
 import fsspec.asyn
@@ -13,11 +14,14 @@ from aiockpt.errors import StorageError
 from aiockpt.storage.objects import (
     GaveUp,
     Retrier,
+    check_int,
+    check_seconds,
     clear_frames,
     failed,
     gather_or_cancel,
     key_under,
     run_sync,
+    split_options,
     storage_errors,
 )
 
@@ -215,3 +219,34 @@ def test_cleared_frames_let_the_buffer_go(how: str) -> None:
 )
 def test_key_under(prefix: str, path: str, key: str) -> None:
     assert key_under(prefix, path) == key
+
+
+@dataclasses.dataclass(frozen=True)
+class Opts:
+    part_size: int = 8
+    retries: int = 3
+
+
+def test_a_plugins_options_are_split_from_the_filesystems() -> None:
+    ours, rest = split_options(Opts, {"retries": 5, "anon": True, "endpoint_url": "x"})
+    assert ours == Opts(retries=5)
+    assert rest == {"anon": True, "endpoint_url": "x"}
+    assert split_options(Opts, {}) == (Opts(), {})
+
+
+def test_bad_option_values_are_refused_naming_the_option() -> None:
+    check_int("n", 5, 1, 5)
+    check_int("n", 10**9, 1)
+    check_seconds("t", 0)
+    check_seconds("t", 0.5)
+    with pytest.raises(TypeError, match="'n' must be an int, got True"):
+        check_int("n", True, 0, 5)
+    with pytest.raises(TypeError, match="'n' must be an int, got 2.0"):
+        check_int("n", 2.0, 0, 5)
+    with pytest.raises(ValueError, match="'n' must be between 1 and 5, got 6"):
+        check_int("n", 6, 1, 5)
+    with pytest.raises(ValueError, match="'n' must be at least 1, got 0"):
+        check_int("n", 0, 1)
+    for bad in (-1, "1", None, False):
+        with pytest.raises(ValueError, match="'t' must be a number >= 0"):
+            check_seconds("t", bad)

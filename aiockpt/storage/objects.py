@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import logging
 import random
 import traceback
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import fsspec.asyn
@@ -32,17 +33,21 @@ from ..errors import StorageError
 __all__ = [
     "GaveUp",
     "Retrier",
+    "check_int",
+    "check_seconds",
     "clear_frames",
     "failed",
     "gather_or_cancel",
     "key_under",
     "run_sync",
     "settle",
+    "split_options",
     "storage_errors",
 ]
 
 log = logging.getLogger("aiockpt")
 T = TypeVar("T")
+Opts = TypeVar("Opts")
 
 
 class GaveUp(Exception):
@@ -251,3 +256,26 @@ def key_under(prefix: str, path: str) -> str:
     if prefix and path:
         return f"{prefix}/{path}"
     return prefix or path
+
+
+def split_options(cls: type[Opts], options: Mapping[str, Any]) -> tuple[Opts, dict[str, Any]]:
+    """A plugin's own ``storage_options`` out of ``options``, made into ``cls`` (a dataclass
+    whose fields are their names), and the rest, for the fsspec filesystem underneath."""
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    ours = {k: v for k, v in options.items() if k in names}
+    return cls(**ours), {k: v for k, v in options.items() if k not in names}
+
+
+def check_int(name: str, value: object, low: int, high: int | None = None) -> None:
+    """Refuse storage option ``name`` unless ``value`` is an int in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"storage option {name!r} must be an int, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise ValueError(f"storage option {name!r} must be {bound}, got {value}")
+
+
+def check_seconds(name: str, value: object) -> None:
+    """Refuse storage option ``name`` unless ``value`` is a number >= 0 (a time, in s)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"storage option {name!r} must be a number >= 0, got {value!r}")

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import dataclasses
 import errno as errno_mod
 import itertools
 import logging
@@ -36,12 +35,15 @@ from aiockpt.storage._stream import InFlight, cut_parts
 from aiockpt.storage.objects import (
     GaveUp,
     Retrier,
+    check_int,
+    check_seconds,
     clear_frames,
     failed,
     gather_or_cancel,
     key_under,
     run_sync,
     settle,
+    split_options,
     storage_errors,
 )
 
@@ -71,27 +73,17 @@ class AzureOptions:
     max_backoff: float = 10.0
 
     def __post_init__(self) -> None:
-        for name, low, high in (
-            ("block_size", 64 * 1024, 4000 * MiB),
-            ("single_put_threshold", 1, 5000 * MiB),
-            ("concurrency", 1, 1024),
-            ("retries", 0, 100),
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"storage option {name!r} must be an int, got {value!r}")
-            if not low <= value <= high:
-                raise ValueError(f"storage option {name!r} must be between {low} and {high}")
+        check_int("block_size", self.block_size, 64 * 1024, 4000 * MiB)
+        check_int("single_put_threshold", self.single_put_threshold, 1, 5000 * MiB)
+        check_int("concurrency", self.concurrency, 1, 1024)
+        check_int("retries", self.retries, 0, 100)
         for name in ("backoff", "max_backoff"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"storage option {name!r} must be a number >= 0, got {value!r}")
+            check_seconds(name, getattr(self, name))
 
     @classmethod
     def split(cls, options: dict[str, Any]) -> tuple[AzureOptions, dict[str, Any]]:
-        names = {f.name for f in dataclasses.fields(cls)}
-        ours = {k: v for k, v in options.items() if k in names}
-        return cls(**ours), {k: v for k, v in options.items() if k not in names}
+        """This plugin's options out of ``options``, and the rest (for adlfs)."""
+        return split_options(cls, options)
 
 
 def _status(e: BaseException) -> int:

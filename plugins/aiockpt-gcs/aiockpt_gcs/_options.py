@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
+
+from aiockpt.storage.objects import check_int, check_seconds, split_options
 
 MiB = 1024 * 1024
 
@@ -30,20 +31,11 @@ class GCSOptions:
     checksum: str | None = "crc32c"
 
     def __post_init__(self) -> None:
-        def _int(name: str, low: int, high: int) -> None:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"storage option {name!r} must be an int, got {value!r}")
-            if not low <= value <= high:
-                raise ValueError(f"storage option {name!r} must be between {low} and {high}")
-
-        _int("part_size", 256 * 1024, 1024 * MiB)
-        _int("concurrency", 1, 1024)
-        _int("retries", 0, 100)
+        check_int("part_size", self.part_size, 256 * 1024, 1024 * MiB)
+        check_int("concurrency", self.concurrency, 1, 1024)
+        check_int("retries", self.retries, 0, 100)
         for name in ("backoff", "max_backoff", "connect_timeout", "read_timeout"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"storage option {name!r} must be a number >= 0, got {value!r}")
+            check_seconds(name, getattr(self, name))
         if self.checksum not in ("crc32c", None):
             raise ValueError(
                 f"storage option 'checksum' must be 'crc32c' or None, got {self.checksum!r}"
@@ -52,7 +44,4 @@ class GCSOptions:
     @classmethod
     def split(cls, options: dict[str, Any]) -> tuple[GCSOptions, dict[str, Any]]:
         """This plugin's options out of ``options``, and the rest (for gcsfs)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        ours = {k: v for k, v in options.items() if k in names}
-        rest = {k: v for k, v in options.items() if k not in names}
-        return cls(**ours), rest
+        return split_options(cls, options)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
+
+from aiockpt.storage.objects import check_int, check_seconds, split_options
 
 MiB = 1024 * 1024
 MIN_PART = 5 * MiB  # S3's minimum for every part but the last
@@ -40,24 +41,14 @@ class S3Options:
     checksum: str | None = "crc32c"
 
     def __post_init__(self) -> None:
-        def _int(name: str, low: int, high: int | None = None) -> None:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"storage option {name!r} must be an int, got {value!r}")
-            if value < low or (high is not None and value > high):
-                bound = f"between {low} and {high}" if high is not None else f"at least {low}"
-                raise ValueError(f"storage option {name!r} must be {bound}, got {value}")
-
-        _int("part_size", MIN_PART, MAX_PART)
-        _int("multipart_threshold", 1)
-        _int("concurrency", 1, 1024)
-        _int("read_part_size", MIN_READ_PART, MAX_PART)
-        _int("read_concurrency", 1, 1024)
-        _int("retries", 0, 100)
+        check_int("part_size", self.part_size, MIN_PART, MAX_PART)
+        check_int("multipart_threshold", self.multipart_threshold, 1)
+        check_int("concurrency", self.concurrency, 1, 1024)
+        check_int("read_part_size", self.read_part_size, MIN_READ_PART, MAX_PART)
+        check_int("read_concurrency", self.read_concurrency, 1, 1024)
+        check_int("retries", self.retries, 0, 100)
         for name in ("backoff", "max_backoff"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"storage option {name!r} must be a number >= 0, got {value!r}")
+            check_seconds(name, getattr(self, name))
         if self.checksum not in ("crc32c", None):
             raise ValueError(
                 f"storage option 'checksum' must be 'crc32c' or None, got {self.checksum!r}"
@@ -66,7 +57,4 @@ class S3Options:
     @classmethod
     def split(cls, options: dict[str, Any]) -> tuple[S3Options, dict[str, Any]]:
         """This plugin's options out of ``options``, and the rest (for s3fs)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        ours = {k: v for k, v in options.items() if k in names}
-        rest = {k: v for k, v in options.items() if k not in names}
-        return cls(**ours), rest
+        return split_options(cls, options)
