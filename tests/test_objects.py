@@ -164,6 +164,29 @@ def test_the_first_failure_cancels_the_rest_and_is_raised() -> None:
     assert sorted(cancelled) == ["a", "b"]
 
 
+def test_the_first_failure_wins_over_one_raised_while_cancelling() -> None:
+    """A task ahead in the list whose cancellation goes wrong does not hide the failure
+    that cancelled it."""
+    first = Flaky("first")
+
+    async def cleans_up_badly() -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            raise RuntimeError("while cancelling") from None
+
+    async def fails() -> None:
+        await asyncio.sleep(0.01)
+        raise first
+
+    async def main() -> None:
+        await gather_or_cancel([cleans_up_badly(), fails()])
+
+    with pytest.raises(Flaky) as info:
+        asyncio.run(main())
+    assert info.value is first
+
+
 def test_nothing_to_gather_and_all_passing_return() -> None:
     done: list[int] = []
 

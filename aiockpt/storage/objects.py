@@ -189,16 +189,21 @@ async def gather_or_cancel(coros: Iterable[Awaitable[None]]) -> None:
     if not tasks:
         return
     try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
     except BaseException:  # cancelled: the tasks go too, and their errors with them
         for e in await settle(tasks):
             clear_frames(e)
         raise
     errors = await settle(tasks)
     if errors:
-        for e in errors[1:]:
-            clear_frames(e)  # not raised, and its frames hold views of the caller's buffers
-        raise errors[0]
+        # What failed before the others were cancelled, rather than what their cancellation
+        # raised, whatever their order in the list.
+        before = {id(t.exception()) for t in done if not t.cancelled()}
+        first = next((e for e in errors if id(e) in before), errors[0])
+        for e in errors:
+            if e is not first:
+                clear_frames(e)  # not raised, and its frames hold views of the caller's buffers
+        raise first
 
 
 async def settle(tasks: Iterable[asyncio.Task[Any]]) -> list[BaseException]:
