@@ -8,10 +8,11 @@ slower):
 - Azure: ``AzureStorage.write_file`` (16 MiB blocks, 8 at once) against azure-storage-blob's
   ``BlobClient.upload_blob`` with ``max_concurrency`` the plugin's ``concurrency`` (its other
   settings its defaults: 4 MiB blocks);
-- GCS: ``GCSStorage.write_file`` (one multipart upload with its CRC32C) against
-  google-cloud-storage's ``Blob.upload_from_file`` (a resumable upload in 100 MiB chunks,
-  CRC32C checked) and gcsfs's ``pipe`` (a resumable upload in 50 MiB chunks), each where it is
-  installed.
+- GCS: ``GCSStorage.write_file`` (one multipart upload with its CRC32C) against the same
+  bytes handed over in 8 MiB pieces from an iterator, as a save staged in windows writes them
+  (parts of ``part_size`` uploaded ``concurrency`` at once, then composed), google-cloud-storage's
+  ``Blob.upload_from_file`` (a resumable upload in 100 MiB chunks, CRC32C checked) and gcsfs's
+  ``pipe`` (a resumable upload in 50 MiB chunks), each where it is installed.
 
     python benchmarks/cloud_upload_bench.py [--mib 256] [--repeat 3] [--only azure|gcs]
 """
@@ -113,7 +114,12 @@ def bench_gcs(data: bytearray, repeat: int, folder: Path) -> dict[str, list[floa
         storage = open_storage(f"gs://{bucket}/aiockpt", server.options())
         root = open_storage(f"gs://{bucket}", server.options())  # to check and clean up
         clients: dict[str, Callable[[str], object]] = {
-            "aiockpt-gcs": lambda n: storage.write_file(n, [memoryview(data)])
+            "aiockpt-gcs": lambda n: storage.write_file(n, [memoryview(data)]),
+            # as a save staged in windows hands it over: parts uploaded, then composed
+            "aiockpt-gcs streamed": lambda n: storage.write_file(
+                n,
+                (memoryview(data)[i : i + 8 * MiB] for i in range(0, len(data), 8 * MiB)),  # type: ignore[arg-type]
+            ),
         }
         try:
             from google.auth.credentials import AnonymousCredentials

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import itertools
 import os
+import uuid
 
 import anyio
 import pytest
 import torch
 from _support.roots import manifest_of, step_numbers
+from _support.storages import open_unordered
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,7 +20,9 @@ from aiockpt._core import format as fmt
 from aiockpt._core.blocks import BLOCK_BYTES, cut_blocks
 from aiockpt._core.windows import cut_windows, least_capacity, parts
 from aiockpt._trainer import saving
-from aiockpt.errors import StagingMemoryError
+from aiockpt.errors import StagingMemoryError, StorageError
+from aiockpt.storage import register_storage
+from aiockpt.storage._registry import ENV_VAR
 
 MiB = 1 << 20
 
@@ -253,3 +257,27 @@ def test_window_slabs_with_the_daemon_are_not_lent_to_another_save() -> None:
         pool.close()
 
     anyio.run(main)
+
+
+@pytest.mark.anyio
+async def test_a_windowed_save_on_a_storage_that_cannot_take_one_is_refused_clearly(
+    tmp_path, monkeypatch
+) -> None:
+    """A storage that does not declare writes_in_order needs every piece of a file at once:
+    a save whose shard is larger than its staging share fails, naming the setting, and
+    nothing is committed; a save that fits works on the same manager."""
+    monkeypatch.setenv(ENV_VAR, "")  # the registration below is this test's alone
+    tests = os.path.dirname(os.path.abspath(__file__))  # where the daemon imports it from
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))
+    )
+    proto = f"unordered{uuid.uuid4().hex[:8]}"
+    register_storage(proto, open_unordered)
+    state = {f"t{i}": torch.full((50_000,), float(i)) for i in range(120)}  # 23 MiB
+    root = f"{proto}://{tmp_path / 'run'}"
+    async with AsyncCheckpointManager(root, staging_memory=8 * MiB) as mgr:
+        with pytest.raises(StorageError, match="writes_in_order"):  # from save() or the handle
+            await (await mgr.save(1, state))
+        assert await mgr.steps() == []
+        await (await mgr.save(2, {"small": torch.arange(10)}))
+        assert await mgr.steps() == [2]

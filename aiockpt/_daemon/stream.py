@@ -214,5 +214,5 @@ def check_storage(storage: object, url: str) -> None:
             f"{url}: this storage cannot write a shard from windows (it does not declare "
             "writes_in_order), so a save cannot be staged in pieces there: raise "
             "staging_memory to at least the shard's size, or use a storage that does "
-            "(local paths, fsspec URLs, aiockpt-s3, aiockpt-azure)"
+            "(local paths, fsspec URLs, aiockpt-s3, aiockpt-gcs, aiockpt-azure)"
         )

@@ -50,6 +50,10 @@ class InFlight:
         """Every result, in the order submitted; raises the first failure."""
         return [f.result() for f in self.futures]
 
+    def wait(self) -> None:
+        """Wait for every coroutine submitted to end, whatever its outcome."""
+        concurrent.futures.wait(self.futures)
+
     def cancel(self) -> None:
         """Cancel what still runs and wait for all to end."""
         for f in self.futures:

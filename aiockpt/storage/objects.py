@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import fsspec.asyn
 
+from .._core.crc import combine as crc32c_combine
 from ..errors import StorageError
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "check_int",
     "check_seconds",
     "clear_frames",
+    "crc32c_combine",
     "failed",
     "gather_or_cancel",
     "key_under",
@@ -182,7 +184,7 @@ def storage_errors(
         raise err from None
 
 
-async def gather_or_cancel(coros: Iterable[Awaitable[None]]) -> None:
+async def gather_or_cancel(coros: Iterable[Awaitable[Any]]) -> None:
     """Run ``coros`` together; the first failure cancels the others, waits for them to end
     and is raised. Cancelled from outside, it cancels and waits for them all the same."""
     tasks = [asyncio.ensure_future(c) for c in coros]

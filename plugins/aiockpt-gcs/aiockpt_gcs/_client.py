@@ -118,7 +118,12 @@ def crc32c_b64(views: Sequence[memoryview | bytes]) -> str:
     value = 0
     for v in views:
         value = crc32c.crc32c(v, value)
-    return base64.b64encode(value.to_bytes(4, "big")).decode()
+    return as_b64(value)
+
+
+def as_b64(crc: int) -> str:
+    """A CRC32C as GCS writes it: base64 of the big-endian value."""
+    return base64.b64encode(crc.to_bytes(4, "big")).decode()
 
 
 def _message(body: bytes) -> str:

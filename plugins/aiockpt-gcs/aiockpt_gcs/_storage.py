@@ -9,6 +9,9 @@ ours, against the JSON API:
   object only when the whole body has arrived and its checksum matches, so a failed write
   leaves nothing behind, and there is no upload session to clean up (a resumable upload that
   dies leaves one, and the emulator the tests use shows its bytes as an object meanwhile);
+- a write whose pieces come from an iterator (a save staged in windows) is cut into parts,
+  each such an upload of an object of its own, ``concurrency`` at once, then composed into
+  the object by GCS (``objects.compose``), which again appears whole or not at all;
 - ``put_if_absent`` is the same upload with ``ifGenerationMatch=0``: GCS creates the object
   only if no live generation of it exists, and answers 412 otherwise;
 - reads are ranged GETs (``alt=media``), split into ``part_size`` ranges run ``concurrency``
@@ -25,21 +28,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno as errno_mod
+import itertools
 import json
 import uuid
 import warnings
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
+import crc32c
 import fsspec.asyn
 
 from aiockpt.errors import StorageError
-from aiockpt.storage.objects import GaveUp, gather_or_cancel, key_under, run_sync
+from aiockpt.storage._stream import InFlight, cut_parts
+from aiockpt.storage.objects import (
+    GaveUp,
+    crc32c_combine,
+    gather_or_cancel,
+    key_under,
+    run_sync,
+    storage_errors,
+)
 
-from ._client import BucketClient, ViewsPayload, crc32c_b64, status_of, storage_error
+from ._client import BucketClient, ViewsPayload, as_b64, crc32c_b64, status_of, storage_error
 from ._options import GCSOptions
 
 __all__ = ["GCSOptions", "GCSStorage", "open_gcs"]
+
+#: Sources one ``objects.compose`` request may name (GCS's limit).
+MAX_COMPOSE = 32
 
 T = TypeVar("T")
 
@@ -90,9 +106,105 @@ class GCSStorage:
 
     # ----------------------------------------------------------------- writes
 
+    #: write_file also takes its pieces from an iterator, copying them into parts as they
+    #: come (see _write_stream): a save staged in windows can be written here.
+    writes_in_order = True
+
     def write_file(self, path: str, buffers: Sequence[memoryview]) -> None:
         """Write the concatenation of ``buffers`` to ``path``; no view of them is kept."""
+        if not isinstance(buffers, Sequence):
+            self._write_stream(path, buffers)
+            return
         self._run("write", path, self._write, "write", self._key(path), buffers, False)
+
+    def _write_stream(self, path: str, pieces: Iterable[memoryview]) -> None:
+        """Write pieces that come from an iterator, each taken before the next is asked for:
+        they are copied into parts of ``part_size`` bytes, each uploaded as an object of its
+        own beside the file, at most ``concurrency`` at once (so this holds at most that many
+        parts), then composed into the file by GCS, 32 sources a request; a file of one part
+        is one upload. The file appears whole or not at all: a write that fails before the
+        last compose leaves what was there. The parts go either way; one left by a crash lies
+        in its step's directory, removed with the step if it never committed."""
+        key = self._key(path)
+        parts = cut_parts(pieces, self.options.part_size)
+        first = next(parts, b"")
+        second = next(parts, None)
+        if second is None:
+            self._run("write", path, self._write, "write", key, [first], False)
+            return
+        stem = f"{key}.part-{uuid.uuid4().hex[:16]}"
+        made: list[str] = []  # every part and intermediate object, to delete at the end
+        checksum = self.options.checksum == "crc32c"
+        whole = 0
+        sending = InFlight(self.fs.loop, self.options.concurrency)
+        try:
+            for part in itertools.chain((first, second), parts):
+                first = second = b""
+                made.append(f"{stem}-{len(made):06d}")
+                crc = crc32c.crc32c(part) if checksum else None
+                if crc is not None:
+                    whole = crc32c_combine(whole, crc, len(part))
+                sending.submit(self._write("write", made[-1], [part], False, crc))
+            with storage_errors("write", key, self._error):
+                sending.results()
+            sources = list(made)
+            self._run("write", path, self._compose, key, sources, made, whole if checksum else None)
+        except BaseException:
+            # Not cancelled: a part whose request is cut short may still be made by GCS after
+            # the deletes below; the parts in flight (``concurrency`` at most) end first.
+            sending.wait()
+            raise
+        finally:
+            with contextlib.suppress(Exception):
+                self._run("delete", path, self._delete_keys, made)
+
+    async def _compose(
+        self, key: str, sources: list[str], made: list[str], crc: int | None
+    ) -> None:
+        """Compose ``sources``, in order, into ``key``: first into intermediate objects of
+        32 sources each (named in ``made``, for the caller to delete) until one request can
+        name them all. With ``crc``, the object GCS made must have it (GCS checked each
+        part; this checks that they were put together in the right order): if not, it is
+        deleted and the write fails."""
+        level = 0
+        while len(sources) > MAX_COMPOSE:
+            groups = [sources[i : i + MAX_COMPOSE] for i in range(0, len(sources), MAX_COMPOSE)]
+            names = [f"{key}.part-c{level}-{uuid.uuid4().hex[:16]}" for _ in groups]
+            made += names
+            await gather_or_cancel(
+                self._compose_one(n, g) for n, g in zip(names, groups, strict=True)
+            )
+            sources, level = names, level + 1
+        obj = await self._compose_one(key, sources)
+        if crc is not None and obj.get("crc32c") != as_b64(crc):
+            with contextlib.suppress(GaveUp):
+                await self._delete_keys([key])
+            where = self._client.where(key)
+            raise StorageError(
+                f"write {where} failed: the object composed of its parts has crc32c "
+                f"{obj.get('crc32c')}, not the parts' {as_b64(crc)}",
+                path=where,
+                errno=errno_mod.EIO,
+            )
+
+    async def _compose_one(self, key: str, sources: list[str]) -> dict[str, Any]:
+        """One ``objects.compose`` request: ``sources`` into ``key``; the object made."""
+        body = json.dumps(
+            {
+                "sourceObjects": [{"name": s} for s in sources],
+                "destination": {"contentType": "application/octet-stream"},
+            }
+        ).encode()
+        reply = await self._client.call(
+            "write",
+            key,
+            "POST",
+            f"{self._client.object_url(key)}/compose",
+            headers={"Content-Type": "application/json"},
+            body=lambda: body,
+        )
+        made: dict[str, Any] = json.loads(reply.body)
+        return made
 
     def put_atomic(self, path: str, data: bytes) -> None:
         """Write ``data`` to ``path``: GCS shows readers all of an object or none of it."""
@@ -125,12 +237,20 @@ class GCSStorage:
         return bytes(out[: reply.received]) == data
 
     async def _write(
-        self, op: str, key: str, buffers: Sequence[memoryview | bytes], if_absent: bool
+        self,
+        op: str,
+        key: str,
+        buffers: Sequence[memoryview | bytes],
+        if_absent: bool,
+        crc: int | None = None,
     ) -> None:
+        """Upload ``buffers`` as ``key`` in one request; ``crc``, their CRC32C if known."""
         views = [memoryview(b).cast("B") for b in buffers]
         try:
             meta: dict[str, str] = {"name": key, "contentType": "application/octet-stream"}
-            if self.options.checksum == "crc32c":
+            if crc is not None:
+                meta["crc32c"] = as_b64(crc)
+            elif self.options.checksum == "crc32c":
                 # crc32c releases the GIL: off the loop thread, other requests go on.
                 loop = asyncio.get_running_loop()
                 meta["crc32c"] = await loop.run_in_executor(None, crc32c_b64, views)
@@ -169,6 +289,10 @@ class GCSStorage:
         keys = [key] if key else []
         if recursive:
             keys += [k async for k in self._names(key + "/" if key else "", delimited=False)]
+        await self._delete_keys(keys)
+
+    async def _delete_keys(self, keys: list[str]) -> None:
+        """Delete the objects ``keys``, ``concurrency`` at once; one that is gone is fine."""
         sem = asyncio.Semaphore(self.options.concurrency)
 
         async def one(k: str) -> None:
