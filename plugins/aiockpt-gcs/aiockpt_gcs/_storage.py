@@ -139,7 +139,7 @@ class GCSStorage:
         sending = InFlight(self.fs.loop, self.options.concurrency)
         try:
             for part in itertools.chain((first, second), parts):
-                first = second = b""
+                first = second = b""  # else these two parts stay held to the end
                 made.append(f"{stem}-{len(made):06d}")
                 crc = crc32c.crc32c(part) if checksum else None
                 if crc is not None:
@@ -203,8 +203,8 @@ class GCSStorage:
             headers={"Content-Type": "application/json"},
             body=lambda: body,
         )
-        made: dict[str, Any] = json.loads(reply.body)
-        return made
+        obj: dict[str, Any] = json.loads(reply.body)
+        return obj
 
     def put_atomic(self, path: str, data: bytes) -> None:
         """Write ``data`` to ``path``: GCS shows readers all of an object or none of it."""
