@@ -30,9 +30,16 @@ class Flaky(Exception):
     """A failure the tests call transient."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Retries:
+    retries: int
+    backoff: float = 0.0
+    max_backoff: float = 0.0
+
+
 def retrier(retries: int) -> Retrier:
     return Retrier(
-        retries, 0.0, 0.0, transient=lambda e: isinstance(e, Flaky), where=lambda k: f"x://{k}"
+        Retries(retries), transient=lambda e: isinstance(e, Flaky), where=lambda k: f"x://{k}"
     )
 
 
@@ -74,7 +81,7 @@ def test_an_error_that_is_not_transient_is_not_retried() -> None:
 
 
 def test_the_wait_doubles_up_to_its_cap_with_half_of_it_jittered() -> None:
-    r = Retrier(9, 0.1, 1.0, transient=lambda e: True, where=str)
+    r = Retrier(Retries(9, 0.1, 1.0), transient=lambda e: True, where=str)
     for attempt, cap in [(0, 0.1), (1, 0.2), (2, 0.4), (3, 0.8), (4, 1.0), (8, 1.0)]:
         waits = [r.delay(attempt) for _ in range(200)]
         assert all(cap / 2 <= w <= cap for w in waits)

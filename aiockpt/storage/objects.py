@@ -24,7 +24,7 @@ import logging
 import random
 import traceback
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import fsspec.asyn
 
@@ -34,6 +34,7 @@ from ..errors import StorageError
 __all__ = [
     "GaveUp",
     "Retrier",
+    "RetryOptions",
     "check_int",
     "check_seconds",
     "clear_frames",
@@ -62,27 +63,44 @@ class GaveUp(Exception):
         self.op, self.key, self.cause, self.attempts = op, key, cause, attempts
 
 
-class Retrier:
-    """Sends a request again after a transient error, at most ``retries`` more times.
+class RetryOptions(Protocol):
+    """What a plugin's options say of retries (the three plugins name them alike)."""
 
-    The n-th retry waits ``backoff * 2**n`` seconds capped at ``max_backoff``, with equal
-    jitter (half the wait fixed, half random) so that requests failing together do not retry
-    together. ``transient(e)`` says whether a retry may succeed after ``e``; ``where(key)``
-    names a key in the log lines.
+    @property
+    def retries(self) -> int:
+        """Retries of one request after a transient error."""
+        ...
+
+    @property
+    def backoff(self) -> float:
+        """Seconds before the first retry; doubling each retry."""
+        ...
+
+    @property
+    def max_backoff(self) -> float:
+        """The longest wait before a retry, in seconds."""
+        ...
+
+
+class Retrier:
+    """Sends a request again after a transient error, at most ``options.retries`` more times.
+
+    The n-th retry waits ``options.backoff * 2**n`` seconds capped at ``options.max_backoff``,
+    with equal jitter (half the wait fixed, half random) so that requests failing together
+    do not retry together. ``transient(e)`` says whether a retry may succeed after ``e``;
+    ``where(key)`` names a key in the log lines.
     """
 
     def __init__(
         self,
-        retries: int,
-        backoff: float,
-        max_backoff: float,
+        options: RetryOptions,
         *,
         transient: Callable[[BaseException], bool],
         where: Callable[[str], str],
     ) -> None:
-        self.retries = retries
-        self.backoff = backoff
-        self.max_backoff = max_backoff
+        self.retries = options.retries
+        self.backoff = options.backoff
+        self.max_backoff = options.max_backoff
         self._transient = transient
         self._where = where
 

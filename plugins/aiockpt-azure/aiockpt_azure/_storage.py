@@ -130,13 +130,7 @@ class AzureStorage:
         self.container = container
         self.prefix = prefix.strip("/")
         self.options, fs_options = AzureOptions.split(options)
-        self._retrier = Retrier(
-            self.options.retries,
-            self.options.backoff,
-            self.options.max_backoff,
-            transient=is_transient,
-            where=self.where,
-        )
+        self._retrier = Retrier(self.options, transient=is_transient, where=self.where)
         if fs_options.get("asynchronous"):
             raise ValueError(
                 "storage option 'asynchronous' is not supported: aiockpt owns the loop"

@@ -144,13 +144,7 @@ class BucketClient:
         location = fs._location.rstrip("/")
         self.objects = f"{location}/storage/v1/b/{quote(bucket, safe='')}/o"
         self.uploads = f"{location}/upload/storage/v1/b/{quote(bucket, safe='')}/o"
-        self.retrier = Retrier(
-            options.retries,
-            options.backoff,
-            options.max_backoff,
-            transient=is_transient,
-            where=self.where,
-        )
+        self.retrier = Retrier(options, transient=is_transient, where=self.where)
         self._timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=options.connect_timeout, sock_read=options.read_timeout
         )

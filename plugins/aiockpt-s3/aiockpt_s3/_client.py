@@ -23,13 +23,7 @@ class BucketClient:
     def __init__(self, fs: Any, bucket: str, options: S3Options) -> None:
         self.fs = fs
         self.bucket = bucket
-        self.retrier = Retrier(
-            options.retries,
-            options.backoff,
-            options.max_backoff,
-            transient=is_transient,
-            where=self.where,
-        )
+        self.retrier = Retrier(options, transient=is_transient, where=self.where)
 
     def where(self, key: str) -> str:
         """The URL of ``key``, for messages."""
