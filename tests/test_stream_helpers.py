@@ -20,6 +20,14 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     yield loop
+
+    async def drain() -> None:  # no task left pending when the loop stops
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run_coroutine_threadsafe(drain(), loop).result()
     loop.call_soon_threadsafe(loop.stop)
     thread.join()
     loop.close()
@@ -79,6 +87,7 @@ def test_in_flight_raises_the_first_failure_in_submitted_order(loop) -> None:
         flight.submit(job(i))
     with pytest.raises(ValueError, match="job 2"):
         flight.results()
+    flight.wait()
 
 
 @pytest.mark.parametrize("how", ["cancel", "wait"])
