@@ -108,3 +108,26 @@ def test_in_flight_returns_only_once_every_coroutine_has_ended(loop, how: str) -
         flight.submit(job(i))
     getattr(flight, how)()
     assert sorted(ended) == [0, 1, 2, 3]
+
+
+def test_in_flight_takes_nothing_more_once_one_has_failed(loop) -> None:
+    """A write stops at its first failed part rather than cutting and sending the rest (with
+    a server gone, each would spend its retries first): submit says no, and closes what it
+    was given."""
+    started: list[int] = []
+
+    async def job(i: int) -> None:
+        started.append(i)
+        if i == 1:
+            raise ValueError("part 1")
+        await asyncio.sleep(0.05)
+
+    flight = InFlight(loop, 2)
+    taken = [flight.submit(job(i)) for i in range(10)]
+    assert taken[:2] == [True, True]
+    assert taken.count(True) <= 3  # the third may go in before the failure is known
+    assert not any(taken[taken.index(False) :])
+    assert sorted(started) == list(range(taken.count(True)))
+    with pytest.raises(ValueError, match="part 1"):
+        flight.results()
+    flight.wait()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 from collections.abc import Coroutine, Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -33,18 +34,43 @@ def cut_parts(pieces: Iterable[memoryview], size: int, *, double_every: int = 0)
 
 
 class InFlight:
-    """Coroutines run on ``loop`` from a plain thread, at most ``limit`` at once."""
+    """Coroutines run on ``loop`` from a plain thread, at most ``limit`` at once.
+
+    Once one has failed, no more are taken (``submit`` says so): a write stops at its first
+    failed part rather than cutting and sending the rest, each of which would spend its own
+    retries first when the server is gone.
+    """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, limit: int) -> None:
         self.loop = loop
         self.limit = max(1, limit)
         self.futures: list[concurrent.futures.Future[Any]] = []
+        self._changed = threading.Condition()  # a future ended: the two below changed
+        self._running = 0
+        self._failed = False
 
-    def submit(self, coro: Coroutine[Any, Any, Any]) -> None:
-        """Start ``coro`` once fewer than ``limit`` are running."""
-        while sum(not f.done() for f in self.futures) >= self.limit:
-            concurrent.futures.wait(self.futures, return_when=concurrent.futures.FIRST_COMPLETED)
-        self.futures.append(asyncio.run_coroutine_threadsafe(coro, self.loop))
+    def submit(self, coro: Coroutine[Any, Any, Any]) -> bool:
+        """Start ``coro`` once fewer than ``limit`` are running, and say True; False, with
+        ``coro`` closed and not started, once one submitted before has failed (``results``
+        raises its error)."""
+        with self._changed:
+            while not self._failed and self._running >= self.limit:
+                self._changed.wait()
+            if self._failed:
+                coro.close()
+                return False
+            self._running += 1
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        self.futures.append(future)
+        future.add_done_callback(self._ended)
+        return True
+
+    def _ended(self, future: concurrent.futures.Future[Any]) -> None:
+        with self._changed:
+            self._running -= 1
+            if not future.cancelled() and future.exception() is not None:
+                self._failed = True
+            self._changed.notify_all()
 
     def results(self) -> list[Any]:
         """Every result, in the order submitted; raises the first failure."""

@@ -202,8 +202,9 @@ class AzureStorage:
         try:
             for block in itertools.chain(head, blocks):
                 ids.append(base64.b64encode(f"{len(ids):08d}".encode()).decode())
-                staging.submit(self._call_stage(key, blob, ids[-1], block))
                 head = []
+                if not staging.submit(self._call_stage(key, blob, ids[-1], block)):
+                    break  # a block failed: _wait_all raises its error
             self._wait_all(staging, path)
             self._run("write", path, self._commit, key, blob, ids)
         except BaseException:

@@ -121,6 +121,30 @@ def test_connection_resets_are_retried(azurite: AzuriteServer, container: str) -
         relay.close()
 
 
+def test_a_stream_stops_at_its_first_failed_block(azurite: AzuriteServer, container: str) -> None:
+    """The server gone: the write fails once a block has spent its retries, without cutting
+    and staging the rest of the pieces (each would spend its own retries first)."""
+    relay = Relay(azurite.port)
+    storage = open_storage(f"az://{container}/run", azurite.options(relay.endpoint, **FAST))
+    asked: list[int] = []
+
+    def pieces() -> Iterator[memoryview]:
+        buf = memoryview(bytes(2 * MiB))
+        for i in range(60):
+            asked.append(i)
+            yield buf
+
+    try:
+        relay.reset_next(10**6)
+        with pytest.raises(StorageError, match="after 3 attempts"):
+            storage.write_file("step_1/shard.bin", pieces())  # type: ignore[arg-type]
+    finally:
+        storage.close()
+        relay.close()
+    # the blocks held to learn the blob needs staging, those in flight, and one taken meanwhile
+    assert len(asked) <= 2 + storage.options.concurrency + 1
+
+
 @pytest.mark.parametrize("failure", ["refused", "reset mid-body"])
 def test_retries_are_bounded_and_a_failed_write_leaves_nothing(
     azurite: AzuriteServer, container: str, failure: str

@@ -144,7 +144,8 @@ class GCSStorage:
                 crc = crc32c.crc32c(part) if checksum else None
                 if crc is not None:
                     whole = crc32c_combine(whole, crc, len(part))
-                sending.submit(self._write("write", made[-1], [part], False, crc))
+                if not sending.submit(self._write("write", made[-1], [part], False, crc)):
+                    break  # a part failed: results() raises its error
             with storage_errors("write", key, self._error):
                 sending.results()
             sources = list(made)

@@ -251,6 +251,29 @@ def test_an_object_composed_out_of_order_fails_the_write_and_is_deleted(
     assert gcs.names(bucket) == []
 
 
+def test_a_stream_stops_at_its_first_failed_part(gcs: GCSServer, bucket: str) -> None:
+    """The server gone: the write fails once a part has spent its retries, without cutting
+    and sending the rest of the pieces (each would spend its own retries first)."""
+    relay = Relay(gcs.port)
+    storage = open_storage(f"gs://{bucket}/run", gcs.options(relay.endpoint, **FAST))
+    asked: list[int] = []
+
+    def pieces() -> Iterator[memoryview]:
+        buf = memoryview(bytes(4 * MiB))
+        for i in range(40):
+            asked.append(i)
+            yield buf
+
+    try:
+        relay.reset_next(10**6)
+        with pytest.raises(StorageError, match="after 3 attempts"):
+            storage.write_file("step_1/shard.bin", pieces())  # type: ignore[arg-type]
+    finally:
+        storage.close()
+        relay.close()
+    assert len(asked) <= 8 + 2  # concurrency parts in flight, and the ones taken meanwhile
+
+
 def test_a_stream_that_fails_part_way_leaves_what_was_there(gcs: GCSServer, bucket: str) -> None:
     """Pieces from an iterator stop with an error after some parts went up: the object is
     not made (an older one stays as it was), and the parts are deleted."""

@@ -35,8 +35,9 @@ def write_stream(self: S3Storage, path: str, pieces: Iterable[memoryview]) -> No
     try:
         for number, part in enumerate(itertools.chain(head, parts), start=1):
             total += len(part)
-            sending.submit(self._uploads.part(key, upload_id, number, part))
             head = []
+            if not sending.submit(self._uploads.part(key, upload_id, number, part)):
+                break  # a part failed: _result raises its error
         done = self._result(sending.results, path)
         self._run("write", path, self._uploads.complete, key, upload_id, done, total)
     except BaseException:

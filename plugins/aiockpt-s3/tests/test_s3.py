@@ -289,6 +289,33 @@ def test_retries_are_bounded_and_the_upload_aborted(s3: S3Server, bucket: str) -
     assert _uploads(s3, bucket) == []
 
 
+def test_a_stream_stops_at_its_first_failed_part(s3: S3Server, bucket: str) -> None:
+    """Every part refused: the write fails once a part has spent its retries, without cutting
+    and sending the rest of the pieces (each would spend its own retries first)."""
+    storage = open_storage(f"s3://{bucket}/run", s3.options(**FAST))
+    asked: list[int] = []
+
+    def pieces() -> Iterator[memoryview]:
+        buf = memoryview(bytes(5 * MiB))
+        for i in range(40):
+            asked.append(i)
+            yield buf
+
+    def refuse_parts(environ: dict[str, Any]) -> None:
+        if is_upload_part(environ):
+            raise ErrorReply(503, "SlowDown")
+
+    s3.on_request = refuse_parts
+    try:
+        with pytest.raises(StorageError, match="after 3 attempts"):
+            storage.write_file("step_1/shard.bin", pieces())  # type: ignore[arg-type]
+    finally:
+        s3.on_request = None
+        storage.close()
+    assert len(asked) <= storage.options.concurrency + 3  # in flight, and taken meanwhile
+    assert _uploads(s3, bucket) == []
+
+
 def test_a_stream_that_fails_part_way_aborts_its_upload(s3: S3Server, bucket: str) -> None:
     """Pieces from an iterator (a save staged in windows): the upload starts with the first
     full part; when the pieces stop with an error, the upload is aborted, no object made."""
