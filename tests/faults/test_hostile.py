@@ -212,14 +212,29 @@ def check_manifest_invariants(m: fmt.Manifest) -> None:
             assert start >= end, "overlapping tensors"
 
 
-def paths(obj: Any, prefix: tuple = ()) -> Iterator[tuple]:
-    yield prefix
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from paths(v, (*prefix, k))
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            yield from paths(v, (*prefix, i))
+def paths(obj: Any) -> Iterator[tuple]:
+    """The key path of every member of ``obj``, parents first; iteratively, as the "deep"
+    mutation nests members far deeper than a recursive walk may go."""
+    todo: list[tuple[tuple, Any]] = [((), obj)]
+    while todo:
+        prefix, node = todo.pop()
+        yield prefix
+        if isinstance(node, dict):
+            todo.extend(((*prefix, k), v) for k, v in reversed(node.items()))
+        elif isinstance(node, list):
+            todo.extend(((*prefix, i), v) for i, v in reversed(list(enumerate(node))))
+
+
+def dumps(raw: Any) -> bytes:
+    """A (mutated) manifest as JSON text. The encoder recurses once per level, and the "deep"
+    mutation nests up to 1,800 levels: the recursion limit is raised for the encoder alone,
+    not for the parse under test."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 10_000))
+    try:
+        return json.dumps(raw).encode()
+    finally:
+        sys.setrecursionlimit(limit)
 
 
 def mutate(data: st.DataObject, raw: Any) -> Any:
@@ -301,7 +316,22 @@ def test_mutated_manifest_members_raise_only_corrupt(pristine, data):
     raw = json.loads(pristine[1])
     for _ in range(data.draw(st.integers(1, 3))):
         raw = mutate(data, raw)
-    parse_all(json.dumps(raw).encode())
+    parse_all(dumps(raw))
+
+
+def test_a_member_nested_deepest_can_be_mutated_again_and_parsed() -> None:
+    """The "deep" mutation at its deepest (600 levels of the 3-deep shape: 1,800), then
+    another mutation: the test's own walk and serialization of such a manifest must not
+    overflow (they did, now and then, failing the fuzz tests with RecursionError), and the
+    parse refuses it or takes it."""
+    with open(V2_MANIFEST) as f:
+        raw = json.load(f)
+    node = raw["metadata"]
+    for _ in range(600):
+        node = {"D": [["k", node]]}
+    raw["metadata"] = node
+    assert len(list(paths(raw))) > 1800
+    parse_all(dumps(raw), step=5)
 
 
 #: A real version-2 manifest, of distributed tensors saved on two ranks.
@@ -319,7 +349,7 @@ def test_mutated_version_2_manifests_raise_only_corrupt(data):
         raw = json.load(f)
     for _ in range(data.draw(st.integers(1, 3))):
         raw = mutate(data, raw)
-    parse_all(json.dumps(raw).encode(), step=5)
+    parse_all(dumps(raw), step=5)
 
 
 @FUZZ
@@ -356,7 +386,7 @@ def test_mutated_shard_headers_raise_only_corrupt(data):
     raw = json.loads(head[8:])
     choice = data.draw(st.sampled_from(["members", "bytes", "length"]))
     if choice == "members":
-        text = json.dumps(mutate(data, raw)).encode()
+        text = dumps(mutate(data, raw))
         head = struct.pack("<Q", len(text)) + text
     elif choice == "bytes":
         head = mutate_bytes(data, head)
@@ -396,8 +426,8 @@ def test_daemon_load_of_mutated_manifests_stays_inside_the_step(pristine, tmp_pa
             raw["tensors"] = {bad: raw["tensors"][SHARD]}
     else:
         raw = mutate(data, raw)
-    with open(os.path.join(step_dir(root, 1), fmt.MANIFEST), "w") as f:
-        f.write(json.dumps(raw))
+    with open(os.path.join(step_dir(root, 1), fmt.MANIFEST), "wb") as f:
+        f.write(dumps(raw))
     before = shm_segments(os.getpid())
     audit, error = audited_load(root)
     assert error is None or isinstance(error, (CorruptCheckpointError, CheckpointNotFoundError)), (
