@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import _posixshmem
 import contextlib
+import errno
 import mmap
 import os
 import secrets
 
+from ..errors import StagingMemoryError
+
 PREFIX = "aiockpt"
+SHM_DIR = "/dev/shm"
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
@@ -35,6 +39,7 @@ class Segment:
                 # At least one byte: an empty segment is still mapped (below), and mmap refuses
                 # a length past the end of the file.
                 os.ftruncate(fd, max(size, 1))
+                reserve(fd, max(size, 1), name)
             elif os.fstat(fd).st_size < size:
                 raise ValueError(f"shared memory {name} is smaller than {size} bytes")
             # mmap of length 0 is an error; an empty save still gets a one-byte segment.
@@ -65,12 +70,59 @@ class Segment:
 
     def close(self) -> None:
         """Unmap (again is a no-op). Every view of ``buf`` (numpy, torch.frombuffer) must be
-        dropped first."""
+        dropped first: torch.frombuffer holds ``buf`` itself, not a buffer export, so closing
+        under a tensor leaves it pointing at unmapped memory. Where views may outlive their
+        owner (the trainer's), drop every reference to the segment instead: the mapping is
+        unmapped with the last of them."""
         self.buf.release()
         self.mm.close()
 
     def unlink(self) -> None:
         unlink(self.name)
+
+
+def reserve(fd: int, size: int, name: str) -> None:
+    """Allocate the pages of a new segment now, so that a /dev/shm too small for it is an
+    error here rather than a SIGBUS at the first write to a page it cannot back (a tmpfs
+    file is sparse: ftruncate promises nothing) or EFAULT in a read into it. The pages are
+    zeroed once either way, here or at the first touch."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.ENOMEM):
+            raise
+        raise StagingMemoryError(_short_of(size, name)) from e
+
+
+def free_bytes() -> int | None:
+    """The bytes /dev/shm has free now (None where it cannot be told)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _short_of(size: int, name: str) -> str:
+    """What to say when a segment of ``size`` bytes does not fit in /dev/shm."""
+    free = free_bytes()
+    has = "an unknown amount" if free is None else f"{free} bytes ({free / 2**20:.1f} MiB)"
+    room = (
+        f"{SHM_DIR} has {has} free. A container's /dev/shm is 64 MiB unless raised "
+        "(docker run --shm-size, a memory-backed emptyDir on Kubernetes)"
+    )
+    need = f"{size} bytes ({size / 2**20:.1f} MiB) of shared memory"
+    if "-load-" in name:  # the daemon's segment for the tensors load() returns
+        return (
+            f"load() needs {need} for the tensors it returns, and {room}; or load part of "
+            "the checkpoint with keys=, or load(into=...) existing tensors, which reads "
+            "through windows under staging_memory="
+        )
+    return (
+        f"staging needs {need} for this state's shard, and {room}; or cap the staging with "
+        "staging_memory= (a shard larger than its share is staged in windows), or lower "
+        "max_pending (slabs held for saves in flight)"
+    )
 
 
 def trainer_segments(pid: int) -> list[str]:

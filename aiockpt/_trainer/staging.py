@@ -25,7 +25,7 @@ from .._core import format as fmt
 from .._core import windows as wn
 from .._core.gc import no_gc
 from .._core.protocol import DTensorEntry, LayoutMsg
-from .._core.shm import Segment
+from .._core.shm import Segment, unlink
 from .state import _DTYPE, _SHAPE, ST_TO_TORCH, TORCH_TO_ST, Flat, StaleFlat
 
 _layout_ids = itertools.count(1)
@@ -167,8 +167,15 @@ class Slab:
         # virtual machine, the kernel's populate took 0.59-0.66 s, writing every page from
         # the process 0.32-0.38 s (resume_bench.py). The first load or save of a process
         # pays this.
-        self.seg = Segment.create(size, populate=False)
-        self.u8 = torch.frombuffer(self.seg.buf, dtype=torch.uint8)
+        # The segment's pages are allocated first (a /dev/shm too small for them is a
+        # StagingMemoryError here, not a SIGBUS in the copy). The mapping then belongs to
+        # ``u8``'s storage, which holds the segment's buffer: every view of the slab holds it
+        # too, so it is unmapped when the last of them is gone, never under a view that
+        # outlived the slab (one in a failed call's traceback, say).
+        seg = Segment.create(size, populate=False)
+        #: The shared-memory segment's name, and its size in bytes.
+        self.name, self.size = seg.name, seg.size
+        self.u8 = torch.frombuffer(seg.buf, dtype=torch.uint8)
         self.layout_id = 0
         #: Whether the header and padding are still to be written before a save's copy: the
         #: layout changed, or a load read over them.
@@ -185,16 +192,6 @@ class Slab:
         self.seen: list[tuple[int, int, int, tuple[int, ...]]] | None = None
         self.held: list[torch.UntypedStorage] = []
         self.u8.zero_()  # fault every page in now, not during a save's copy
-
-    @property
-    def name(self) -> str:
-        """The shared-memory segment's name."""
-        return self.seg.name
-
-    @property
-    def size(self) -> int:
-        """The segment's size in bytes."""
-        return self.seg.size
 
     def prepare(self, layout: Layout, *, write: bool = True) -> list[torch.Tensor]:
         """Destination views in flatten order; writes the header when the layout changes, or
@@ -313,15 +310,16 @@ class Slab:
             torch.cuda.current_stream(dev).synchronize()
 
     def close(self) -> None:
-        """Unpin, unmap and unlink the segment."""
+        """Unpin and unlink the segment, and let go of its memory: it is unmapped now, or
+        when the last view of it elsewhere is gone."""
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.u8.data_ptr())
             self.pinned = False
         self.views, self.pads = [], []
         self.plan = ([], [])
-        del self.u8
-        self.seg.close()
-        self.seg.unlink()
+        self.seen, self.held = None, []
+        self.u8 = torch.empty(0, dtype=torch.uint8)
+        unlink(self.name)
 
 
 class WindowCopy(NamedTuple):
