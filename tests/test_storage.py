@@ -12,7 +12,9 @@ import textwrap
 import uuid
 from typing import Any
 
+import fsspec
 import pytest
+from fsspec.implementations.memory import MemoryFileSystem
 
 from aiockpt.errors import StorageError
 from aiockpt.storage import FsspecStorage, LocalStorage, Storage, open_storage, register_storage
@@ -85,9 +87,62 @@ class TestMemory(StorageContract):
             return s
 
         yield open_it
-        import fsspec
-
         fsspec.filesystem("memory").rm(url.split("://")[1].split("/")[0], recursive=True)
+
+
+class _CheckedMemory(MemoryFileSystem):
+    """An fsspec filesystem aiockpt does not know to create exclusively: it stands for every
+    filesystem other than the local and memory ones, which get a check before each write."""
+
+    protocol = "aiockptcheckedmem"
+
+    @classmethod
+    def _strip_protocol(cls, path: str) -> str:
+        prefix = f"{cls.protocol}://"
+        return MemoryFileSystem._strip_protocol(path.removeprefix(prefix))
+
+
+class TestFsspecChecked(StorageContract):
+    """The generic fsspec implementation where ``"xb"`` is not trusted: ``exists()`` first."""
+
+    writes_in_order = True
+
+    @pytest.fixture
+    def storage_factory(self):
+        fsspec.register_implementation(_CheckedMemory.protocol, _CheckedMemory, clobber=True)
+        url = f"{_CheckedMemory.protocol}://t-{uuid.uuid4().hex}/root"
+
+        def open_it() -> Storage:
+            s = FsspecStorage(url)
+            assert not s.creates_atomically
+            return s
+
+        yield open_it
+        fsspec.filesystem(_CheckedMemory.protocol).rm(
+            url.split("://")[1].split("/")[0], recursive=True
+        )
+
+
+def test_which_fsspec_filesystems_create_atomically(tmp_path) -> None:
+    """ "xb" is trusted on the local and memory filesystems only."""
+    assert FsspecStorage(f"file://{tmp_path}").creates_atomically
+    assert FsspecStorage(f"memory://t-{uuid.uuid4().hex}").creates_atomically
+    fsspec.register_implementation(_CheckedMemory.protocol, _CheckedMemory, clobber=True)
+    assert not FsspecStorage(f"{_CheckedMemory.protocol}://x").creates_atomically
+
+
+def test_a_failed_fsspec_write_leaves_the_file_there_untouched(tmp_path) -> None:
+    """The refused write removes nothing: the file it found stays, with its bytes."""
+    for storage in (
+        FsspecStorage(f"file://{tmp_path}"),
+        FsspecStorage(f"{_CheckedMemory.protocol}://t-{uuid.uuid4().hex}"),
+    ):
+        storage.write_file("f.bin", [memoryview(b"first")])
+        with pytest.raises(StorageError) as info:
+            storage.write_file("f.bin", [memoryview(b"second, longer")])
+        assert info.value.errno == errno.EEXIST
+        assert "f.bin" in str(info.value)
+        assert storage.read_range("f.bin", 0, storage.size("f.bin")) == b"first"
 
 
 # ------------------------------------------------------------------- registry

@@ -5,6 +5,24 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
+from ..errors import CorruptCheckpointError, StorageError
+
+
+class UnsafeFileError(StorageError, CorruptCheckpointError):
+    """A path under the root that is not a regular file reached without a symbolic link: a
+    FIFO, a socket, a device, a directory where a file should be, or a symbolic link at the
+    file or at a directory between it and the root. Refused before a byte of it is read
+    (opening a FIFO alone would block forever), and before anything is deleted through it.
+
+    It is a :class:`StorageError` (``errno`` ``ELOOP`` for a symbolic link, ``EISDIR`` for
+    a directory, ``EINVAL`` for the rest) and a
+    :class:`~aiockpt.errors.CorruptCheckpointError`: a checkpoint holding one is damaged or
+    hostile, and loads and ``aiockpt verify`` report it as such, naming the path."""
+
+    def __init__(self, message: str, *, path: str | None = None, errno: int | None = None) -> None:
+        StorageError.__init__(self, message, path=path, errno=errno)
+        self.key = None
+
 
 @runtime_checkable
 class Storage(Protocol):
@@ -18,9 +36,15 @@ class Storage(Protocol):
     url: str
 
     def write_file(self, path: str, buffers: Sequence[memoryview]) -> None:
-        """Write the concatenation of ``buffers`` as the whole file, durably (its bytes and its
-        name), without copying the bytes into one buffer first. A failed write leaves no file
-        behind."""
+        """Create the file ``path`` holding the concatenation of ``buffers``, durably (its
+        bytes and its name), without copying the bytes into one buffer first.
+
+        It creates; it never replaces: when something is at ``path`` already the write fails
+        with a StorageError whose ``errno`` is ``errno.EEXIST`` and leaves what is there as
+        it was, byte for byte. Where the backend can, the check and the creation are one
+        atomic step (a racing writer of the same name cannot be replaced either); where it
+        cannot, the storage documents the window. A failed write leaves no file of its own
+        behind, and never removes one it did not create."""
 
     def put_atomic(self, path: str, data: bytes) -> None:
         """Publish a small file atomically and durably: readers see all of it or nothing."""

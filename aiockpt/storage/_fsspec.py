@@ -1,4 +1,15 @@
-"""Any fsspec filesystem as a checkpoint root."""
+"""Any fsspec filesystem as a checkpoint root.
+
+``write_file`` creates and never replaces (see :class:`~aiockpt.storage.Storage`). fsspec's
+exclusive mode ``"xb"`` is implementation-dependent ("whether it is checked up front or on
+commit, and whether it is atomic"), and a filesystem that does not implement it may write over
+a file as ``"wb"`` would. So it is used only where it is known to hold: the local filesystem
+(``open(..., "xb")``, ``O_CREAT | O_EXCL``) and the memory filesystem (a check and an insert in
+the one process that sees the store). Every other filesystem gets an ``exists()`` check before
+the write, which keeps out a file that is there before the write starts, but not one another
+writer creates between the check and the end of this write: that one is replaced.
+:attr:`FsspecStorage.creates_atomically` says which holds.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +19,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
 from ..errors import StorageError
+
+#: Filesystems whose ``open(path, "xb")`` creates a file only where none is, in one step. The
+#: exact types: a subclass may open files its own way.
+_EXCLUSIVE_OPEN = (LocalFileSystem, MemoryFileSystem)
 
 
 class FsspecStorage:
@@ -27,6 +43,9 @@ class FsspecStorage:
         except (ImportError, ValueError) as e:
             raise StorageError(f"cannot open {url}: {e}", path=url) from e
         self.root = self.root.rstrip("/")
+        #: Whether write_file's "nothing is there" check and its creation are one step, so
+        #: that a racing writer's file is never replaced either (see the module's docstring).
+        self.creates_atomically = type(self.fs) in _EXCLUSIVE_OPEN
         if isinstance(self.fs, MemoryFileSystem):
             # Its create mode is one check-and-insert under the GIL: atomic in this process,
             # the only one that sees the filesystem. Elsewhere fsspec's create mode is an
@@ -48,15 +67,38 @@ class FsspecStorage:
         return err
 
     def write_file(self, path: str, buffers: Sequence[memoryview]) -> None:
+        """Create ``path`` holding the concatenation of ``buffers``; onto a file that is there
+        it fails with ``EEXIST`` and leaves it as it was. Atomically where
+        :attr:`creates_atomically`, else checked with ``exists()`` first (see the module's
+        docstring). A write that fails after creating the file removes it."""
         full = self._full(path)
+        if not self.creates_atomically and self.exists(path):
+            raise self._exists_error(path)
         try:
-            with self.fs.open(full, "wb") as f:
+            f = self.fs.open(full, "xb" if self.creates_atomically else "wb")
+        except FileExistsError:
+            raise self._exists_error(path) from None
+        except Exception as e:
+            raise self._error("create", path, e) from None
+        try:
+            with f:
                 for buf in buffers:
                     f.write(buf)
         except Exception as e:
+            # The file is this call's own: it was created above (exclusively, or where the
+            # check found nothing).
             with contextlib.suppress(Exception):
                 self.fs.rm(full)
             raise self._error("write", path, e) from None
+
+    def _exists_error(self, path: str) -> StorageError:
+        full = self._full(path)
+        return StorageError(
+            f"create {self.fs.unstrip_protocol(full)} failed: a file is there already "
+            "(a write never replaces one)",
+            path=full,
+            errno=errno_mod.EEXIST,
+        )
 
     def put_atomic(self, path: str, data: bytes) -> None:
         try:

@@ -1,4 +1,13 @@
-"""Local filesystems through the os module: O_DIRECT shard writes, fsync, atomic rename."""
+"""Local filesystems through the os module: O_DIRECT shard writes, fsync, atomic rename.
+
+Nothing under the root is reached through a symbolic link. Every path is opened from a
+descriptor of the root, one directory at a time, each opened with ``O_NOFOLLOW``
+(:meth:`LocalStorage._parent`), so a link planted in the root (a step directory pointing into
+another run, a shard pointing at ``/dev/zero``) is refused rather than followed, whatever
+happens to the names meanwhile. Files are read only when they are regular files: they are
+opened ``O_NONBLOCK`` (opening a FIFO would otherwise wait for a writer forever) and checked
+with ``fstat`` before the first read. The root itself may be a link: it is the user's.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +16,12 @@ import contextlib
 import ctypes
 import errno as errno_mod
 import os
-import shutil
+import stat
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from ..errors import StorageError
+from ._base import UnsafeFileError
 
 _DIRECT_ALIGN = 4096
 _CHUNK = 64 * 1024 * 1024  # O_DIRECT chunk: a multiple of the alignment
@@ -28,6 +38,11 @@ _READERS = 4
 _CREATING = threading.Lock()
 #: Taken to start a storage's reader threads (see LocalStorage._readers) once.
 _STARTING = threading.Lock()
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+#: A directory under the root, opened never through a symbolic link.
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _O_CLOEXEC
+#: A file to read: not through a link, and without blocking (a FIFO's open waits for a writer).
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _O_CLOEXEC
 
 
 def _address(buf: memoryview) -> int | None:
@@ -58,6 +73,51 @@ def _read_all(fd: int, buf: memoryview, offset: int, full: str, end: int) -> Non
         done += n
 
 
+_KINDS = {
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFDIR: "a directory",
+    stat.S_IFLNK: "a symbolic link",
+}
+
+
+def _is_link(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _unlink_if_same(parent: int, name: str, st: os.stat_result) -> None:
+    """Unlink ``name`` in ``parent`` if it is still the file ``st`` (one this call created);
+    a file put there since is not ours to remove."""
+    with contextlib.suppress(OSError):
+        if os.path.samestat(os.stat(name, dir_fd=parent, follow_symlinks=False), st):
+            os.unlink(name, dir_fd=parent)
+
+
+def _remove_tree(parent: int, name: str) -> None:
+    """Remove the directory ``name`` in ``parent`` and everything under it, each directory
+    opened from its parent's descriptor with ``O_NOFOLLOW``: a symbolic link met on the way
+    is unlinked, never followed (what :func:`shutil.rmtree` does with ``dir_fd``, which
+    Python 3.10 lacks)."""
+    fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+    try:
+        with os.scandir(fd) as entries:
+            names = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+        for sub, is_dir in names:
+            if is_dir:
+                _remove_tree(fd, sub)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(sub, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=parent)
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -81,6 +141,84 @@ class LocalStorage:
     def _full(self, path: str) -> str:
         return os.path.join(self.root, path) if path else self.root
 
+    def _names(self, path: str) -> list[str]:
+        """The components of ``path`` under the root; ``..`` would leave it and is refused."""
+        names = [n for n in path.split("/") if n and n != "."]
+        if ".." in names:
+            full = self._full(path)
+            raise StorageError(
+                f"{full}: a path under the root cannot hold '..'", path=full, errno=errno_mod.EINVAL
+            )
+        return names
+
+    @contextlib.contextmanager
+    def _parent(self, op: str, path: str) -> Iterator[tuple[int, str]]:
+        """A descriptor of the directory that holds ``path``, and the last component's name
+        (``"."`` for the root itself). Each directory under the root is opened from the one
+        above it with ``O_NOFOLLOW``: one that is a symbolic link is an
+        :class:`UnsafeFileError` (``ELOOP``) naming ``path``, and no later rename can send
+        the call elsewhere."""
+        names = self._names(path)
+        try:
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | _O_CLOEXEC)
+        except OSError as e:
+            raise self._error(op, path, e) from None
+        try:
+            for i, name in enumerate(names[:-1]):
+                try:
+                    sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                except OSError as e:
+                    # O_DIRECTORY | O_NOFOLLOW on a link is ENOTDIR (or ELOOP): say which.
+                    if e.errno in (errno_mod.ENOTDIR, errno_mod.ELOOP) and _is_link(name, fd):
+                        raise self._link_error(op, path, "/".join(names[: i + 1])) from None
+                    raise self._error(op, path, e) from None
+                os.close(fd)
+                fd = sub
+            yield fd, names[-1] if names else "."
+        finally:
+            os.close(fd)
+
+    def _link_error(self, op: str, path: str, link: str) -> UnsafeFileError:
+        full = self._full(path)
+        where = "" if link == path else f": {self._full(link)} is a symbolic link"
+        what = "is a symbolic link" if link == path else "lies under a symbolic link"
+        return UnsafeFileError(
+            f"{op} {full} refused: it {what}{where}; aiockpt never follows a symbolic link "
+            "under the root",
+            path=full,
+            errno=errno_mod.ELOOP,
+        )
+
+    @contextlib.contextmanager
+    def _open_regular(self, op: str, path: str) -> Iterator[tuple[int, os.stat_result]]:
+        """A read-only descriptor of the regular file ``path`` and its fstat, opened without
+        following a symbolic link and without blocking; anything else (a FIFO, a socket, a
+        device, a directory, a link) is an :class:`UnsafeFileError` naming it, refused
+        before any read."""
+        with self._parent(op, path) as (parent, name):
+            try:
+                fd = os.open(name, _READ_FLAGS, dir_fd=parent)
+            except OSError as e:
+                if e.errno == errno_mod.ELOOP:
+                    raise self._link_error(op, path, path) from None
+                raise self._error(op, path, e) from None
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise self._not_regular(op, path, st.st_mode)
+                yield fd, st
+            finally:
+                os.close(fd)
+
+    def _not_regular(self, op: str, path: str, mode: int) -> UnsafeFileError:
+        full = self._full(path)
+        kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+        return UnsafeFileError(
+            f"{op} {full} refused: it is {kind}, not a regular file",
+            path=full,
+            errno=errno_mod.EISDIR if stat.S_ISDIR(mode) else errno_mod.EINVAL,
+        )
+
     def _error(self, op: str, path: str, e: OSError) -> StorageError:
         full = self._full(path)
         err = StorageError(f"{op} {full} failed: {e.strerror or e}", path=full, errno=e.errno)
@@ -90,35 +228,54 @@ class LocalStorage:
     # ----------------------------------------------------------------- writes
 
     def write_file(self, path: str, buffers: Sequence[memoryview]) -> None:
-        full = self._full(path)
-        try:
-            fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        except OSError as e:
-            raise self._error("create", path, e) from None
-        direct: list[int] = []  # the O_DIRECT descriptor, opened at the first aligned piece
-        try:
-            offset = 0
-            for buf in buffers:
-                buf = memoryview(buf).cast("B")
-                self._write_buffer(fd, full, buf, offset, direct)
-                offset += len(buf)
-            # One fsync for the file, whichever descriptor wrote its bytes: fsync is of the
-            # file (its data and size), not of a descriptor.
-            os.fsync(fd)
-            # The file's name too: else a crash may keep a manifest linked after this write
-            # and lose the shard's directory entry (found by tests/crash, POSIX model).
-            _fsync_dir(os.path.dirname(full))
-        except OSError as e:
-            with contextlib.suppress(OSError):
-                os.unlink(full)
-            raise self._error("write", path, e) from None
-        finally:
-            for dfd in direct:
-                os.close(dfd)
-            os.close(fd)
+        """Create ``path`` (``O_CREAT | O_EXCL``: never a file that is there, nor through a
+        symbolic link) holding the concatenation of ``buffers``, and make it durable. Onto
+        anything already at ``path`` it fails with ``EEXIST`` and touches nothing; a write
+        that fails later removes the file it created, and only that one."""
+        with self._parent("create", path) as (parent, name):
+            try:
+                fd = os.open(
+                    name,
+                    os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _O_CLOEXEC,
+                    0o644,
+                    dir_fd=parent,
+                )
+            except OSError as e:
+                raise self._error("create", path, e) from None
+            mine = os.fstat(fd)
+            direct: list[int] = []  # the O_DIRECT descriptor, opened at the first aligned piece
+            try:
+                offset = 0
+                for buf in buffers:
+                    buf = memoryview(buf).cast("B")
+                    self._write_buffer(fd, (parent, name, mine), buf, offset, direct)
+                    offset += len(buf)
+                # One fsync for the file, whichever descriptor wrote its bytes: fsync is of the
+                # file (its data and size), not of a descriptor.
+                os.fsync(fd)
+                # The file's name too: else a crash may keep a manifest linked after this write
+                # and lose the shard's directory entry (found by tests/crash, POSIX model).
+                os.fsync(parent)
+            except OSError as e:
+                _unlink_if_same(parent, name, mine)
+                if isinstance(e, StorageError):
+                    raise
+                raise self._error("write", path, e) from None
+            except BaseException:
+                _unlink_if_same(parent, name, mine)
+                raise
+            finally:
+                for dfd in direct:
+                    os.close(dfd)
+                os.close(fd)
 
     def _write_buffer(
-        self, fd: int, full: str, buf: memoryview, offset: int, direct: list[int]
+        self,
+        fd: int,
+        file: tuple[int, str, os.stat_result],
+        buf: memoryview,
+        offset: int,
+        direct: list[int],
     ) -> None:
         # O_DIRECT skips the page-cache copy for the aligned body; the tail goes through fd.
         body = len(buf) // _DIRECT_ALIGN * _DIRECT_ALIGN if self.direct_io else 0
@@ -126,22 +283,39 @@ class LocalStorage:
         if addr is None or addr % _DIRECT_ALIGN or offset % _DIRECT_ALIGN:
             body = 0
         if body and not direct:
-            try:
-                direct.append(os.open(full, os.O_WRONLY | _O_DIRECT))
-            except OSError as e:
-                if e.errno != errno_mod.EINVAL:  # EINVAL: this filesystem has no O_DIRECT
-                    raise
-                self.direct_io = False
+            dfd = self._reopen_direct(file, os.O_WRONLY)
+            if dfd is None:
                 body = 0
+            else:
+                direct.append(dfd)
         for start in range(0, body, _CHUNK):
             _write_all(direct[0], buf[start : min(start + _CHUNK, body)], offset + start)
         _write_all(fd, buf[body:], offset + body)
+
+    def _reopen_direct(self, file: tuple[int, str, os.stat_result], flags: int) -> int | None:
+        """A second descriptor, with O_DIRECT, of the file ``file`` (its directory's
+        descriptor, its name, its fstat) has open; None where the filesystem has no O_DIRECT.
+        The name is opened again without following a link, and must still be that file."""
+        parent, name, st = file
+        try:
+            dfd = os.open(name, flags | _O_DIRECT | os.O_NOFOLLOW | _O_CLOEXEC, dir_fd=parent)
+        except OSError as e:
+            if e.errno != errno_mod.EINVAL:  # EINVAL: this filesystem has no O_DIRECT
+                raise
+            self.direct_io = False
+            return None
+        if not os.path.samestat(os.fstat(dfd), st):
+            os.close(dfd)
+            raise OSError(errno_mod.ESTALE, "the file was replaced while it was open")
+        return dfd
 
     def put_atomic(self, path: str, data: bytes) -> None:
         full = self._full(path)
         tmp = full + ".tmp"
         try:
-            with open(tmp, "wb") as f:
+            # O_NOFOLLOW: a link planted at the temporary name is not written through.
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | _O_CLOEXEC
+            with open(os.open(tmp, flags, 0o644), "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
@@ -187,17 +361,32 @@ class LocalStorage:
             raise self._error("mkdir", path, e) from None
 
     def delete(self, path: str, *, recursive: bool = False) -> None:
-        full = self._full(path)
+        """Remove the file ``path``, or with ``recursive`` the directory and all under it,
+        durably. Never through a symbolic link: a link among the directories between the
+        root and ``path`` is an :class:`UnsafeFileError` (``ELOOP``) and nothing is removed;
+        ``path`` itself being a link removes the link alone, never what it points to (the
+        recursive removal opens each directory from its parent's descriptor and unlinks the
+        links it meets)."""
         try:
-            if recursive and os.path.isdir(full):
-                shutil.rmtree(full)
-            else:
-                os.unlink(full)
-            # Durable before the caller goes on: deleting a step unlinks its manifest first,
-            # and a crash must never keep the manifest while losing a shard's unlink.
-            _fsync_dir(os.path.dirname(full))
+            with self._parent("delete", path) as (parent, name):
+                if name == ".":
+                    raise OSError(errno_mod.EINVAL, "the root itself is not deleted")
+                try:
+                    st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+                except FileNotFoundError:
+                    return
+                if recursive and stat.S_ISDIR(st.st_mode):
+                    _remove_tree(parent, name)
+                else:
+                    os.unlink(name, dir_fd=parent)
+                # Durable before the caller goes on: deleting a step unlinks its manifest
+                # first, and a crash must never keep the manifest while losing a shard's unlink.
+                os.fsync(parent)
         except FileNotFoundError:
             pass
+        except StorageError as e:
+            if e.errno != errno_mod.ENOENT:
+                raise
         except OSError as e:
             raise self._error("delete", path, e) from None
 
@@ -213,25 +402,18 @@ class LocalStorage:
         aligned in the file and in memory goes past the page cache (O_DIRECT), in pieces read
         :data:`_READERS` at a time; the rest is read through the page cache."""
         full = self._full(path)
-        try:
-            fd = os.open(full, os.O_RDONLY)
-        except OSError as e:
-            raise self._error("open", path, e) from None
-        view = memoryview(out).cast("B")
-        try:
-            body = self._direct_body(view, offset)
-            if body:
-                with view[:body] as head:  # released on the way out, an error included
-                    body = self._read_direct(full, head, offset)
-            with view[body:] as rest:
-                _read_all(fd, rest, offset + body, full, offset + len(view))
-        except OSError as e:
-            if isinstance(e, StorageError):
-                raise
-            raise self._error("read", path, e) from None
-        finally:
-            view.release()
-            os.close(fd)
+        with self._open_regular("open", path) as (fd, st), memoryview(out).cast("B") as view:
+            try:
+                body = self._direct_body(view, offset)
+                if body:
+                    with view[:body] as head:  # released on the way out, an error included
+                        body = self._read_direct(fd, st, head, offset, full)
+                with view[body:] as rest:
+                    _read_all(fd, rest, offset + body, full, offset + len(view))
+            except OSError as e:
+                if isinstance(e, StorageError):
+                    raise
+                raise self._error("read", path, e) from None
 
     def _direct_body(self, view: memoryview, offset: int) -> int:
         """How many bytes from the start of ``view`` to read with O_DIRECT: none for a small
@@ -243,18 +425,26 @@ class LocalStorage:
             return 0
         return len(view) // _DIRECT_ALIGN * _DIRECT_ALIGN
 
-    def _read_direct(self, full: str, body: memoryview, offset: int) -> int:
+    def _read_direct(
+        self, fd: int, st: os.stat_result, body: memoryview, offset: int, full: str
+    ) -> int:
         """Read ``body`` with O_DIRECT, :data:`_READ_PIECE` bytes a request and
         :data:`_READERS` requests in flight (into memory nobody touched yet, the readers also
         share the work of faulting its pages in); the bytes read, 0 where the filesystem has
-        no O_DIRECT."""
+        no O_DIRECT. The O_DIRECT descriptor is ``fd``'s file opened again through
+        /proc/self/fd, so it is the same file whatever became of its name."""
         try:
-            dfd = os.open(full, os.O_RDONLY | _O_DIRECT)
+            dfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | _O_DIRECT | _O_CLOEXEC)
         except OSError as e:
-            if e.errno != errno_mod.EINVAL:  # EINVAL: this filesystem has no O_DIRECT
-                raise
-            self.direct_io = False
-            return 0
+            if e.errno == errno_mod.EINVAL:  # this filesystem has no O_DIRECT
+                self.direct_io = False
+                return 0
+            if e.errno in (errno_mod.ENOENT, errno_mod.EACCES):  # no /proc: the page cache
+                return 0
+            raise
+        if not os.path.samestat(os.fstat(dfd), st):
+            os.close(dfd)
+            raise OSError(errno_mod.ESTALE, "the file was replaced while it was open")
         end = offset + len(body)
 
         def piece(start: int) -> None:
@@ -283,10 +473,10 @@ class LocalStorage:
             return self._pool
 
     def size(self, path: str) -> int:
-        try:
-            return os.stat(self._full(path)).st_size
-        except OSError as e:
-            raise self._error("stat", path, e) from None
+        """The size of the regular file ``path``: what :meth:`readinto` would open (never a
+        link, a FIFO or a device; see :class:`UnsafeFileError`)."""
+        with self._open_regular("stat", path) as (_, st):
+            return st.st_size
 
     def exists(self, path: str) -> bool:
         return os.path.exists(self._full(path))

@@ -136,11 +136,83 @@ class StorageContract:
         view.release()
         buf.append(0)  # BufferError if any view of buf is still alive
 
-    def test_write_replaces_a_file(self, storage: Storage) -> None:
-        storage.write_file("f.bin", [memoryview(_data(5000, seed=1))])
-        storage.write_file("f.bin", [memoryview(b"short")])
-        assert storage.read_range("f.bin", 0, 5) == b"short"
-        assert storage.size("f.bin") == 5
+    def _assert_refused_and_unchanged(
+        self, storage: Storage, path: str, before: bytes, write: Callable[[], None]
+    ) -> None:
+        """``write()`` fails with EEXIST naming ``path``; the file still holds ``before``."""
+        with pytest.raises(StorageError) as info:
+            write()
+        err = info.value
+        assert err.errno == errno.EEXIST, err
+        assert err.path is not None
+        assert path in err.path
+        assert path in str(err)
+        assert storage.size(path) == len(before)
+        assert storage.read_range(path, 0, len(before)) == before
+
+    def test_write_never_replaces_a_file(self, storage: Storage) -> None:
+        """write_file creates: onto an existing file, small or large (a multipart upload
+        where the backend has one), it fails with EEXIST and leaves the file as it was."""
+        storage.makedirs("step_1")
+        before = _data(5000, seed=1)
+        storage.write_file("step_1/f.bin", [memoryview(before)])
+        for data in (b"short", _data(self.large_size, seed=2)):
+            self._assert_refused_and_unchanged(
+                storage,
+                "step_1/f.bin",
+                before,
+                lambda d=data: storage.write_file("step_1/f.bin", [memoryview(d)]),  # type: ignore[misc]
+            )
+        storage.write_file("step_1/g.bin", [])
+        self._assert_refused_and_unchanged(
+            storage, "step_1/g.bin", b"", lambda: storage.write_file("step_1/g.bin", [])
+        )
+        # what failed left nothing of its own in sight (no temporary file, no part)
+        assert storage.list_dir("step_1") == ["f.bin", "g.bin"]
+
+    def test_write_never_replaces_a_large_file(self, storage: Storage) -> None:
+        """Also when the file there was itself written in parts."""
+        before = _data(self.large_size, seed=3)
+        storage.write_file("big.bin", [memoryview(before[:4096]), memoryview(before[4096:])])
+        self._assert_refused_and_unchanged(
+            storage,
+            "big.bin",
+            before,
+            lambda: storage.write_file("big.bin", [memoryview(b"x" * 100)]),
+        )
+
+    def test_streamed_write_never_replaces_a_file(self, storage: Storage) -> None:
+        """A write taking its pieces from an iterator (``writes_in_order``) creates too: a
+        small one (one request where the backend has requests) and a large one (parts)."""
+        if not self.writes_in_order:
+            return
+        storage.makedirs("step_1")
+        before = _data(5000, seed=4)
+        storage.write_file("step_1/shard.bin", [memoryview(before)])
+        for size in (10, self.large_size):
+            data = _data(size, seed=size)
+
+            def pieces(data: bytes = data) -> Iterator[memoryview]:
+                for start in range(0, len(data), 1 << 20):
+                    yield memoryview(data)[start : start + (1 << 20)]
+
+            self._assert_refused_and_unchanged(
+                storage,
+                "step_1/shard.bin",
+                before,
+                lambda p=pieces: storage.write_file("step_1/shard.bin", p()),  # type: ignore[misc]
+            )
+        assert storage.list_dir("step_1") == ["shard.bin"]
+
+    def test_a_deleted_file_can_be_created_again(self, storage: Storage) -> None:
+        """A refused write keeps the name taken; once the file is deleted, a write creates
+        it afresh."""
+        storage.write_file("once.bin", [memoryview(b"first")])
+        with pytest.raises(StorageError):
+            storage.write_file("once.bin", [memoryview(b"second")])
+        storage.delete("once.bin")
+        storage.write_file("once.bin", [memoryview(b"third")])
+        assert storage.read_range("once.bin", 0, 5) == b"third"
 
     def test_empty_file(self, storage: Storage) -> None:
         storage.write_file("empty.bin", [])

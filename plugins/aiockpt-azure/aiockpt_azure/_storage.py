@@ -8,6 +8,10 @@ URL and its IO event loop (a dedicated thread); the transfers are ours, on the s
   from the caller's buffers, then one ``Put Block List``: the blob exists only once the list
   is committed, so a failed write leaves no blob (staged blocks that are never committed are
   dropped by the service);
+- a write creates, and never replaces: its ``Put Blob`` or ``Put Block List`` carries
+  ``If-None-Match: *``, so Azure makes the blob only where none is (409 or 412 otherwise,
+  which is ``errno.EEXIST``); each create carries a token of its own in the blob's
+  metadata, by which a retry after a lost answer knows its own blob;
 - ``put_if_absent`` is ``Put Blob`` with ``If-None-Match: *``: Azure answers 409
   ``BlobAlreadyExists`` when the blob exists, so of racing writers exactly one wins;
 - reads are ranged ``Get Blob`` calls; listings are always fresh (``delimiter=/``).
@@ -24,6 +28,7 @@ import contextlib
 import errno as errno_mod
 import itertools
 import logging
+import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -53,6 +58,15 @@ log = logging.getLogger("aiockpt")
 T = TypeVar("T")
 MiB = 1024 * 1024
 MAX_BLOCKS = 50_000  # Azure's limit of blocks per blob
+#: The metadata key holding a create's own token.
+TOKEN_KEY = "aiockptwrite"  # metadata names are C# identifiers: no '-'
+
+
+def write_token() -> dict[str, str]:
+    """The metadata a create puts on its blob: a token no other write has, by which a create
+    refused as a conflict tells its own blob (an earlier try whose answer was lost) from
+    another writer's."""
+    return {TOKEN_KEY: uuid.uuid4().hex}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,7 +208,7 @@ class AzureStorage:
             if sum(map(len, head)) >= self.options.single_put_threshold:
                 break
         else:
-            self._run("write", path, self._put, key, b"".join(head), True)
+            self._run("write", path, self._create_blob, key, b"".join(head))
             return
         blob = self._container.get_blob_client(key)
         staging = InFlight(self.fs.loop, self.options.concurrency)
@@ -215,10 +229,49 @@ class AzureStorage:
         await self._retrier.run("write", key, lambda: self._stage(blob, block_id, data))
 
     async def _commit(self, key: str, blob: Any, ids: list[str]) -> None:
+        """Commit the block list ``ids`` as the blob ``key``, only where no blob is
+        (``If-None-Match: *``); a conflict is EEXIST unless the blob there is this commit's
+        own (see :meth:`_created`)."""
+        from azure.core import MatchConditions
         from azure.storage.blob import BlobBlock
 
         blocks = [BlobBlock(block_id=i) for i in ids]
-        await self._retrier.run("write", key, lambda: blob.commit_block_list(blocks, retry_total=0))
+        token = write_token()
+        await self._created(
+            key,
+            token,
+            lambda: blob.commit_block_list(
+                blocks,
+                metadata=token,
+                match_condition=MatchConditions.IfMissing,
+                retry_total=0,
+            ),
+        )
+
+    async def _created(
+        self, key: str, token: dict[str, str], call: Callable[[], Awaitable[Any]]
+    ) -> None:
+        """Run ``call``, a conditional create of ``key`` carrying ``token``, retried. Azure
+        refuses it when a blob is there (409 ``BlobAlreadyExists``, or 412); that is EEXIST,
+        not retried, unless the blob carries ``token``: the create's own earlier try, whose
+        answer was lost (retried here, or resent by aiohttp on a kept-alive connection that
+        turned out closed)."""
+        try:
+            await self._retrier.run("write", key, call)
+        except GaveUp as e:
+            if _status(e.cause) not in (409, 412):
+                raise
+            if await self._token_of(key) != token[TOKEN_KEY]:
+                raise _exists_error(self.where(key)) from None
+
+    async def _token_of(self, key: str) -> str | None:
+        """The create token the blob ``key`` carries (None without one)."""
+        blob = self._container.get_blob_client(key)
+        props = await self._retrier.run(
+            "write", key, lambda: blob.get_blob_properties(retry_total=0)
+        )
+        token = (props.metadata or {}).get(TOKEN_KEY)
+        return str(token) if token is not None else None
 
     def _wait_all(self, staging: InFlight, path: str) -> None:
         """Wait for every staged block; a failure becomes a StorageError, as in _run."""
@@ -230,7 +283,7 @@ class AzureStorage:
         try:
             total = sum(len(v) for v in views)
             if total < self.options.single_put_threshold:
-                await self._put(key, b"".join(views), True)
+                await self._create_blob(key, b"".join(views))
             else:
                 await self._staged(key, views, total)
         finally:
@@ -245,6 +298,24 @@ class AzureStorage:
             key,
             lambda: blob.upload_blob(
                 data, overwrite=overwrite, length=len(data), max_concurrency=1, retry_total=0
+            ),
+        )
+
+    async def _create_blob(self, key: str, data: bytes) -> None:
+        """One Put Blob of ``data`` with ``If-None-Match: *`` (``overwrite=False``): see
+        :meth:`_created`."""
+        blob = self._container.get_blob_client(key)
+        token = write_token()
+        await self._created(
+            key,
+            token,
+            lambda: blob.upload_blob(
+                data,
+                overwrite=False,
+                metadata=token,
+                length=len(data),
+                max_concurrency=1,
+                retry_total=0,
             ),
         )
 
@@ -268,10 +339,7 @@ class AzureStorage:
         await gather_or_cancel(
             [worker() for _ in range(min(self.options.concurrency, len(ranges)))]
         )
-        from azure.storage.blob import BlobBlock
-
-        blocks = [BlobBlock(block_id=i) for i in ids]
-        await self._retrier.run("write", key, lambda: blob.commit_block_list(blocks, retry_total=0))
+        await self._commit(key, blob, ids)
 
     async def _stage(self, blob: Any, block_id: str, data: memoryview | bytes) -> None:
         """Stage one block, its body sent in 1 MiB copies of the caller's memory (aiohttp
@@ -495,6 +563,15 @@ def _slice(views: list[memoryview], start: int, stop: int) -> memoryview | bytes
             pieces.append(v[lo - base : hi - base])
         base += len(v)
     return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
+def _exists_error(where: str) -> StorageError:
+    """The failure of a write onto a blob that is there already (``errno.EEXIST``)."""
+    return StorageError(
+        f"create {where} failed: a blob is there already (a write never replaces one)",
+        path=where,
+        errno=errno_mod.EEXIST,
+    )
 
 
 def open_azure(url: str, storage_options: dict[str, Any]) -> AzureStorage:

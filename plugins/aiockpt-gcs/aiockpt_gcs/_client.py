@@ -7,6 +7,7 @@ import asyncio
 import base64
 import errno as errno_mod
 import json
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 from urllib.parse import quote
@@ -19,6 +20,26 @@ from aiockpt.errors import StorageError
 from aiockpt.storage.objects import Retrier, clear_frames, failed
 
 from ._options import GCSOptions
+
+#: The custom metadata key holding a create's own token.
+TOKEN_KEY = "aiockpt-write"
+
+
+def write_token() -> dict[str, str]:
+    """The metadata a create puts on its object: a token no other write has, by which a
+    create that meets 412 tells its own object (an earlier try whose answer was lost) from
+    another writer's."""
+    return {TOKEN_KEY: uuid.uuid4().hex}
+
+
+def exists_error(where: str) -> StorageError:
+    """The failure of a write onto an object that is there already (``errno.EEXIST``)."""
+    return StorageError(
+        f"create {where} failed: an object is there already (a write never replaces one)",
+        path=where,
+        errno=errno_mod.EEXIST,
+    )
+
 
 #: HTTP statuses after which a retry of the same request may succeed.
 TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})

@@ -4,6 +4,10 @@ gcsfs gives us credentials (every source google-auth knows), the endpoint (``end
 or ``STORAGE_EMULATOR_HOST``) and its IO event loop (a dedicated thread); the requests are
 ours, against the JSON API:
 
+- a write creates, and never replaces: its upload (and the compose that makes a streamed
+  file) carries ``ifGenerationMatch=0``, so GCS makes the object only where none is and
+  answers 412 otherwise, which is ``errno.EEXIST``; each create carries a token of its own in
+  the object's metadata, by which a retry after a lost answer knows its own object;
 - every write is ONE multipart upload (``uploadType=multipart``): the object's metadata, with
   the CRC32C of its bytes, then the bytes, streamed from the caller's buffers. GCS creates the
   object only when the whole body has arrived and its checksum matches, so a failed write
@@ -49,7 +53,17 @@ from aiockpt.storage.objects import (
     storage_errors,
 )
 
-from ._client import BucketClient, ViewsPayload, as_b64, crc32c_b64, status_of, storage_error
+from ._client import (
+    TOKEN_KEY,
+    BucketClient,
+    ViewsPayload,
+    as_b64,
+    crc32c_b64,
+    exists_error,
+    status_of,
+    storage_error,
+    write_token,
+)
 from ._options import GCSOptions
 
 __all__ = ["GCSOptions", "GCSStorage", "open_gcs"]
@@ -115,7 +129,7 @@ class GCSStorage:
         if not isinstance(buffers, Sequence):
             self._write_stream(path, buffers)
             return
-        self._run("write", path, self._write, "write", self._key(path), buffers, False)
+        self._run("write", path, self._write_new, self._key(path), buffers)
 
     def _write_stream(self, path: str, pieces: Iterable[memoryview]) -> None:
         """Write pieces that come from an iterator, each taken before the next is asked for:
@@ -130,7 +144,7 @@ class GCSStorage:
         first = next(parts, b"")
         second = next(parts, None)
         if second is None:
-            self._run("write", path, self._write, "write", key, [first], False)
+            self._run("write", path, self._write_new, key, [first])
             return
         stem = f"{key}.part-{uuid.uuid4().hex[:16]}"
         made: list[str] = []  # every part and intermediate object, to delete at the end
@@ -144,7 +158,7 @@ class GCSStorage:
                 crc = crc32c.crc32c(part) if checksum else None
                 if crc is not None:
                     whole = crc32c_combine(whole, crc, len(part))
-                if not sending.submit(self._write("write", made[-1], [part], False, crc)):
+                if not sending.submit(self._write_new(made[-1], [part], crc)):
                     break  # a part failed: results() raises its error
             with storage_errors("write", key, self._error):
                 sending.results()
@@ -189,23 +203,57 @@ class GCSStorage:
             )
 
     async def _compose_one(self, key: str, sources: list[str]) -> dict[str, Any]:
-        """One ``objects.compose`` request: ``sources`` into ``key``; the object made."""
+        """One ``objects.compose`` request: ``sources`` into ``key``, created only where no
+        object is (``ifGenerationMatch=0``: see :meth:`_write_new`); the object made."""
+        token = write_token()
         body = json.dumps(
             {
                 "sourceObjects": [{"name": s} for s in sources],
-                "destination": {"contentType": "application/octet-stream"},
+                "destination": {"contentType": "application/octet-stream", "metadata": token},
             }
         ).encode()
-        reply = await self._client.call(
-            "write",
-            key,
-            "POST",
-            f"{self._client.object_url(key)}/compose",
-            headers={"Content-Type": "application/json"},
-            body=lambda: body,
-        )
+        try:
+            reply = await self._client.call(
+                "write",
+                key,
+                "POST",
+                f"{self._client.object_url(key)}/compose",
+                params={"ifGenerationMatch": "0"},
+                headers={"Content-Type": "application/json"},
+                body=lambda: body,
+            )
+        except GaveUp as e:
+            if status_of(e.cause) != 412:
+                raise
+            obj = await self._ours(key, token)  # a retry after an answer that was lost?
+            if obj is None:
+                raise exists_error(self._client.where(key)) from None
+            return obj
+        made: dict[str, Any] = json.loads(reply.body)
+        return made
+
+    async def _write_new(
+        self, key: str, buffers: Sequence[memoryview | bytes], crc: int | None = None
+    ) -> None:
+        """Create ``key`` holding ``buffers``, in one upload with ``ifGenerationMatch=0``:
+        GCS makes the object only where none is and answers 412 otherwise, an EEXIST that
+        is not retried. An upload retried after its answer was lost meets its own first
+        try: the object is ours when it carries this write's token (its metadata)."""
+        token = write_token()
+        try:
+            await self._write("write", key, buffers, True, crc, metadata=token)
+        except GaveUp as e:
+            if status_of(e.cause) != 412 or await self._ours(key, token) is None:
+                if status_of(e.cause) == 412:
+                    raise exists_error(self._client.where(key)) from None
+                raise
+
+    async def _ours(self, key: str, token: dict[str, str]) -> dict[str, Any] | None:
+        """The object ``key``'s resource when it carries the create token ``token``."""
+        reply = await self._client.call("write", key, "GET", self._client.object_url(key))
         obj: dict[str, Any] = json.loads(reply.body)
-        return obj
+        held = (obj.get("metadata") or {}).get(TOKEN_KEY)
+        return obj if held == token[TOKEN_KEY] else None
 
     def put_atomic(self, path: str, data: bytes) -> None:
         """Write ``data`` to ``path``: GCS shows readers all of an object or none of it."""
@@ -244,11 +292,16 @@ class GCSStorage:
         buffers: Sequence[memoryview | bytes],
         if_absent: bool,
         crc: int | None = None,
+        *,
+        metadata: dict[str, str] | None = None,
     ) -> None:
-        """Upload ``buffers`` as ``key`` in one request; ``crc``, their CRC32C if known."""
+        """Upload ``buffers`` as ``key`` in one request; ``crc``, their CRC32C if known;
+        ``metadata``, the object's custom metadata."""
         views = [memoryview(b).cast("B") for b in buffers]
         try:
-            meta: dict[str, str] = {"name": key, "contentType": "application/octet-stream"}
+            meta: dict[str, Any] = {"name": key, "contentType": "application/octet-stream"}
+            if metadata:
+                meta["metadata"] = metadata
             if crc is not None:
                 meta["crc32c"] = as_b64(crc)
             elif self.options.checksum == "crc32c":

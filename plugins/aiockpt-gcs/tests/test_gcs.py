@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,11 +37,25 @@ def bucket(gcs: GCSServer) -> str:
     return gcs.new_bucket()
 
 
+#: fake-gcs-server answers objects.compose with 200 whatever its ifGenerationMatch says (0,
+#: or a generation the destination does not have), and replaces the destination: the
+#: condition a streamed write's compose carries cannot be checked against it. GCS itself
+#: honours it (a 412 when the destination exists). Strict: the day the emulator honours it,
+#: this fails and the mark goes.
+EMULATOR_COMPOSES_OVER = pytest.mark.xfail(
+    strict=True, reason="fake-gcs-server ignores ifGenerationMatch on objects.compose"
+)
+
+
 class TestGCSContract(StorageContract):
     """A root under a prefix of the bucket."""
 
     large_size = 11 * MiB + 123  # three read parts of 4 MiB
     writes_in_order = True
+
+    @EMULATOR_COMPOSES_OVER
+    def test_streamed_write_never_replaces_a_file(self, storage: Any) -> None:
+        super().test_streamed_write_never_replaces_a_file(storage)
 
     @pytest.fixture
     def storage_factory(self, gcs: GCSServer, bucket: str):
@@ -52,6 +67,10 @@ class TestGCSBucketRoot(StorageContract):
 
     large_size = 5 * MiB
     writes_in_order = True
+
+    @EMULATOR_COMPOSES_OVER
+    def test_streamed_write_never_replaces_a_file(self, storage: Any) -> None:
+        super().test_streamed_write_never_replaces_a_file(storage)
 
     @pytest.fixture
     def storage_factory(self, gcs: GCSServer, bucket: str):
@@ -296,6 +315,51 @@ def test_a_stream_that_fails_part_way_leaves_what_was_there(gcs: GCSServer, buck
     assert gcs.names(bucket) == ["run/step_1/old.bin"]
 
 
+def test_a_stream_of_one_part_is_refused_onto_an_object(gcs: GCSServer, bucket: str) -> None:
+    """A streamed write of one part is one upload with ifGenerationMatch=0 (the emulator
+    honours it there): onto an object it fails with EEXIST, leaves the object as it was, and
+    no part."""
+    storage = open_storage(f"gs://{bucket}/run", gcs.options(**FAST))
+    try:
+        storage.write_file("step_1/shard.bin", [memoryview(b"first")])
+        with pytest.raises(StorageError) as info:
+            storage.write_file("step_1/shard.bin", pieces_of(b"second" * 100, 7))  # type: ignore[arg-type]
+        assert info.value.errno == errno.EEXIST
+        assert f"gs://{bucket}/run/step_1/shard.bin" in str(info.value)
+        assert storage.read_range("step_1/shard.bin", 0, 5) == b"first"
+    finally:
+        storage.close()
+    assert gcs.names(bucket) == ["run/step_1/shard.bin"]
+
+
+def test_a_create_that_meets_its_own_object_succeeds(
+    gcs: GCSServer, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """412 to a create whose earlier try landed (its answer lost): the object carries the
+    create's own token, so the write succeeded; another writer's object, with another token
+    or none, is EEXIST."""
+    import aiockpt_gcs._storage as impl
+
+    storage = open_storage(f"gs://{bucket}/run", gcs.options(**FAST))
+    token = {"aiockpt-write": "0123456789abcdef"}
+    monkeypatch.setattr(impl, "write_token", lambda: dict(token))
+    # what a first try whose answer never came back left: the object, with the token
+    first_try = functools.partial(storage._write, metadata=token)  # type: ignore[attr-defined]
+    other = storage._write  # type: ignore[attr-defined]
+    try:
+        storage._run("write", "mine.bin", first_try, "write", "run/mine.bin", [b"mine"], True)  # type: ignore[attr-defined]
+        storage.write_file("mine.bin", [memoryview(b"mine")])
+        assert storage.read_range("mine.bin", 0, 4) == b"mine"
+        # another writer's object, without the token
+        storage._run("write", "theirs.bin", other, "write", "run/theirs.bin", [b"theirs"], True)  # type: ignore[attr-defined]
+        with pytest.raises(StorageError) as info:
+            storage.write_file("theirs.bin", [memoryview(b"mine")])
+        assert info.value.errno == errno.EEXIST
+        assert storage.read_range("theirs.bin", 0, 6) == b"theirs"
+    finally:
+        storage.close()
+
+
 @pytest.mark.anyio
 async def test_one_writer_per_gcs_root(gcs: GCSServer, bucket: str) -> None:
     """The lease on GCS: a second manager is refused naming the first; with takeover it goes
@@ -336,7 +400,9 @@ async def test_server_killed_in_the_middle_of_an_upload(tmp_path: Path) -> None:
             handle = await mgr.save(1, _state(4 * MiB, 1))
             with pytest.raises(StorageError) as info:
                 await handle
-            assert "step_000000000001/shard_r00000.safetensors" in str(info.value)
+            # the shard, whatever the save's unique part of its name
+            assert "step_000000000001/shard_r00000" in str(info.value)
+            assert ".safetensors" in str(info.value)
             assert "after 3 attempts" in str(info.value)
             server.start()
             assert not [n for n in server.names(bucket) if "step_000000000001" in n]

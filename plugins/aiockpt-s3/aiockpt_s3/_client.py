@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -11,6 +12,16 @@ from ._errors import error_code, is_transient, no_such_bucket
 from ._options import S3Options
 
 T = TypeVar("T")
+
+#: The user metadata key (``x-amz-meta-aiockpt-write``) holding a create's own token.
+TOKEN_KEY = "aiockpt-write"
+
+
+def write_token() -> dict[str, str]:
+    """The metadata a create puts on its object: a token no other write has, by which a
+    create that meets 412 tells its own object (an earlier try whose answer was lost) from
+    another writer's."""
+    return {TOKEN_KEY: uuid.uuid4().hex}
 
 
 class BucketClient:
@@ -51,6 +62,11 @@ class BucketClient:
             if error_code(e.cause)[1] == 404:
                 raise await self.not_found(op, key, e) from None
             raise
+
+    async def holds(self, key: str, token: dict[str, str]) -> bool:
+        """Whether the object ``key`` carries the create token ``token``."""
+        head = await self.call("write", key, "head_object", Key=key)
+        return bool((head.get("Metadata") or {}).get(TOKEN_KEY) == token[TOKEN_KEY])
 
     async def not_found(self, op: str, key: str, e: GaveUp) -> GaveUp:
         """A 404 without a code: tell a missing bucket from a missing object."""

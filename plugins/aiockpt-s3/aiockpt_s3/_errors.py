@@ -64,6 +64,23 @@ def is_transient(e: BaseException) -> bool:
     )
 
 
+def is_precondition_failed(e: BaseException) -> bool:
+    """Whether ``e`` is S3 refusing a conditional request (412: ``If-None-Match: *`` met an
+    object that is there)."""
+    code, status = error_code(e)
+    return status == 412 or code == "PreconditionFailed"
+
+
+def exists_error(where: str) -> StorageError:
+    """The failure of a write onto an object that is there already: writes create, and
+    never replace (``errno.EEXIST``)."""
+    return StorageError(
+        f"create {where} failed: an object is there already (a write never replaces one)",
+        path=where,
+        errno=errno_mod.EEXIST,
+    )
+
+
 def no_such_bucket(op: str, key: str) -> GaveUp:
     """The failure of a request on ``key`` whose bucket turned out not to exist."""
     return GaveUp(op, key, ClientError({"Error": {"Code": "NoSuchBucket"}}, "HeadBucket"), 1)

@@ -11,8 +11,8 @@ from botocore.exceptions import ClientError
 
 from aiockpt.storage.objects import GaveUp, gather_or_cancel
 
-from ._client import BucketClient
-from ._errors import error_code
+from ._client import BucketClient, write_token
+from ._errors import error_code, exists_error, is_precondition_failed
 from ._options import MAX_PARTS, S3Options
 from ._transfer import ViewPayload, checksum_params
 
@@ -48,14 +48,18 @@ class MultipartUploader:
         self.client = client
         self.options = options
         self.pending_aborts: dict[tuple[str, str], None] = {}  # (key, upload id), in order
+        self.tokens: dict[str, dict[str, str]] = {}  # upload id: the create token it carries
 
     async def create(self, key: str) -> str:
         """Start a multipart upload of ``key``; its id."""
-        create: dict[str, Any] = {"Key": key}
+        token = write_token()
+        create: dict[str, Any] = {"Key": key, "Metadata": token}
         if self.options.checksum == "crc32c":
             create["ChecksumAlgorithm"] = "CRC32C"
         reply = await self.client.call("write", key, "create_multipart_upload", **create)
-        return str(reply["UploadId"])
+        upload_id = str(reply["UploadId"])
+        self.tokens[upload_id] = token
+        return upload_id
 
     async def part(self, key: str, upload_id: str, number: int, body: bytes) -> dict[str, Any]:
         """Send part ``number`` of an upload from ``body``: its entry for the completion."""
@@ -111,8 +115,14 @@ class MultipartUploader:
     async def _complete(
         self, key: str, upload_id: str, parts: list[dict[str, Any]], total: int
     ) -> None:
+        """Complete the upload with ``If-None-Match: *``: S3 makes the object only where none
+        is, and answers 412 otherwise, an EEXIST that is not retried (the caller aborts the
+        upload). A completion that meets 412, or a retried one that finds the upload gone,
+        may have met its own earlier try whose answer was lost: the object is ours when it
+        carries the token the upload was created with."""
         client = await self.client.session()
         bucket = self.client.bucket
+        token = self.tokens.pop(upload_id, None)
         attempts = 0
 
         async def complete() -> dict[str, Any]:
@@ -124,19 +134,25 @@ class MultipartUploader:
                     Key=key,
                     UploadId=upload_id,
                     MultipartUpload={"Parts": parts},
+                    IfNoneMatch="*",
                 )
             except ClientError as e:
-                # A retry after a completion whose answer was lost finds the upload gone.
-                if attempts > 1 and error_code(e)[0] == "NoSuchUpload":
-                    head = await client.head_object(Bucket=bucket, Key=key)
-                    if head.get("ContentLength") == total:
-                        return {}
+                # 412 may be this upload's own object, completed by a try whose answer was
+                # lost; so may a vanished upload on a retry. The token it carries tells.
+                maybe_ours = is_precondition_failed(e) or (
+                    attempts > 1 and error_code(e)[0] == "NoSuchUpload"
+                )
+                if maybe_ours and token is not None and await self.client.holds(key, token):
+                    return {}
+                if is_precondition_failed(e):
+                    raise exists_error(self.client.where(key)) from None
                 raise
 
         await self.client.retry("write", key, complete)
 
     async def abort(self, key: str, upload_id: str) -> None:
         """Abort a multipart upload; one that cannot be aborted now is retried later."""
+        self.tokens.pop(upload_id, None)
         try:
             await self.client.call(
                 "abort upload of", key, "abort_multipart_upload", Key=key, UploadId=upload_id

@@ -27,9 +27,9 @@ from botocore.exceptions import ClientError
 from aiockpt.errors import StorageError
 from aiockpt.storage.objects import GaveUp, key_under, run_sync, storage_errors
 
-from ._client import BucketClient
+from ._client import BucketClient, write_token
 from ._download import download_into
-from ._errors import error_code, storage_error
+from ._errors import error_code, exists_error, is_precondition_failed, storage_error
 from ._multipart import MultipartUploader
 from ._options import S3Options
 from ._stream import write_stream
@@ -136,18 +136,40 @@ class S3Storage:
             total = sum(len(v) for v in views)
             if total < self.options.multipart_threshold:
                 body: memoryview | bytes = views[0] if len(views) == 1 else b"".join(views)
-                await self._put(key, body)
+                await self._create(key, body)
             else:
                 await self._uploads.upload(key, views, total)
         finally:
             for v in views:
                 v.release()
 
-    async def _put(self, key: str, body: memoryview | bytes) -> None:
+    async def _put(
+        self, key: str, body: memoryview | bytes, *, create: dict[str, str] | None = None
+    ) -> None:
+        """One PutObject of ``body``; with ``create`` (the object's metadata), only where no
+        object is (``If-None-Match: *``)."""
         kwargs: dict[str, Any] = {"Key": key}
+        if create is not None:
+            kwargs["IfNoneMatch"] = "*"
+            kwargs["Metadata"] = create
         kwargs.update(await checksum_params(self.options.checksum, body))
         kwargs["Body"] = ViewPayload(memoryview(body)) if len(body) else b""
         await self._client.call("write", key, "put_object", **kwargs)
+
+    async def _create(self, key: str, body: memoryview | bytes) -> None:
+        """One PUT of ``body`` with ``If-None-Match: *``: S3 creates the object only where
+        none is, and answers 412 otherwise, which is an EEXIST, never retried. A PUT sent
+        again after its answer was lost (by the retries here, or by aiohttp itself, which
+        resends an idempotent request once when a kept-alive connection turns out closed)
+        meets its own first try: the object is ours when it carries this write's token."""
+        token = write_token()
+        try:
+            await self._put(key, body, create=token)
+        except GaveUp as e:
+            if not is_precondition_failed(e.cause):
+                raise
+            if not await self._client.holds(key, token):
+                raise exists_error(self._client.where(key)) from None
 
     def put_atomic(self, path: str, data: bytes) -> None:
         """Write ``data`` to ``path``: readers see all of it or none of it."""
@@ -173,9 +195,9 @@ class S3Storage:
                     continue
                 if status != 412 and code != "PreconditionFailed":
                     raise
-                if e.attempts == 1:
-                    return False
-                # A retried PUT: its first try may have landed, and then the object is ours.
+                # The PUT may have been sent twice (retried here, or resent by aiohttp on a
+                # kept-alive connection found closed): its first try may have landed, and
+                # then the object is ours.
                 reply = await self._client.call("create", key, "get_object", Key=key)
                 async with reply["Body"] as body:
                     return bool(await body.read() == data)

@@ -27,7 +27,7 @@ def write_stream(self: S3Storage, path: str, pieces: Iterable[memoryview]) -> No
         if sum(map(len, head)) >= self.options.multipart_threshold:
             break
     else:
-        self._run("write", path, self._put, key, b"".join(head))
+        self._run("write", path, self._create, key, b"".join(head))
         return
     upload_id = self._run("write", path, self._uploads.create, key)
     sending = InFlight(self.fs.loop, self.options.concurrency)

@@ -46,6 +46,11 @@ class CutReply(Exception):
         self.keep = keep
 
 
+class DropReply(Exception):
+    """Raised by an ``on_request`` hook: moto carries the request out, then the connection
+    closes before a byte of the reply is sent, as an answer lost on the way back."""
+
+
 class S3Server:
     """moto's S3 at ``endpoint``; ``on_request(environ)`` sees every request first."""
 
@@ -75,6 +80,12 @@ class S3Server:
             return [body]
         except CutReply as c:
             return self._cut(environ, start_response, c.keep)
+        except DropReply:
+            b"".join(self._app(environ, lambda *_: None))  # done, and its answer dropped
+            with contextlib.suppress(OSError):
+                environ["werkzeug.socket"].shutdown(socket.SHUT_RDWR)
+            start_response("500 Dropped", [])
+            return []
         return self._app(environ, start_response)
 
     def _cut(self, environ: dict[str, Any], start_response: Any, keep: int) -> Any:
@@ -123,6 +134,17 @@ class S3Server:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join()
+
+
+def is_complete_upload(environ: dict[str, Any]) -> bool:
+    """Whether the request is a CompleteMultipartUpload."""
+    query = environ.get("QUERY_STRING", "")
+    return environ["REQUEST_METHOD"] == "POST" and "uploadId=" in query
+
+
+def is_put_object(environ: dict[str, Any]) -> bool:
+    """Whether the request is a PutObject (not a part of a multipart upload)."""
+    return environ["REQUEST_METHOD"] == "PUT" and "uploadId=" not in environ.get("QUERY_STRING", "")
 
 
 def is_upload_part(environ: dict[str, Any]) -> bool:

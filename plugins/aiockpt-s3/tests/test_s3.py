@@ -10,7 +10,15 @@ from typing import Any
 
 import pytest
 import torch
-from _s3server import CutReply, ErrorReply, S3Server, is_upload_part
+from _s3server import (
+    CutReply,
+    DropReply,
+    ErrorReply,
+    S3Server,
+    is_complete_upload,
+    is_put_object,
+    is_upload_part,
+)
 
 import aiockpt_s3
 from aiockpt import AsyncCheckpointManager
@@ -289,6 +297,95 @@ def test_retries_are_bounded_and_the_upload_aborted(s3: S3Server, bucket: str) -
     assert _uploads(s3, bucket) == []
 
 
+# ------------------------------------------------------------------- writes create
+
+
+def _conditional(environ: dict[str, Any]) -> bool:
+    return environ.get("HTTP_IF_NONE_MATCH") == "*"
+
+
+@pytest.mark.parametrize("size", [1000, 12 * MiB])
+def test_a_write_onto_an_object_is_refused_once_and_aborted(
+    s3: S3Server, bucket: str, size: int
+) -> None:
+    """The create is conditional (PutObject, or CompleteMultipartUpload, with
+    ``If-None-Match: *``); S3's 412 is EEXIST at once, not retried, and a multipart upload
+    refused so is aborted."""
+    storage = open_storage(f"s3://{bucket}/run", s3.options(**FAST))
+    sent: list[str] = []
+
+    def hook(environ: dict[str, Any]) -> None:
+        if is_put_object(environ) or is_complete_upload(environ):
+            sent.append("conditional" if _conditional(environ) else "plain")
+
+    try:
+        storage.write_file("step_1/shard.bin", [memoryview(b"first")])
+        assert sent == []  # the hook is not set yet
+        s3.on_request = hook
+        with pytest.raises(StorageError) as info:
+            storage.write_file("step_1/shard.bin", [memoryview(bytes(size))])
+    finally:
+        s3.on_request = None
+        storage.close()
+    assert info.value.errno == errno.EEXIST
+    assert f"s3://{bucket}/run/step_1/shard.bin" in str(info.value)
+    assert sent == ["conditional"]  # one request, never retried
+    assert _uploads(s3, bucket) == []
+    body = s3.client().get_object(Bucket=bucket, Key="run/step_1/shard.bin")["Body"].read()
+    assert body == b"first"
+
+
+@pytest.mark.parametrize("size", [1000, 12 * MiB])
+def test_a_create_whose_answer_was_lost_is_still_its_own(
+    s3: S3Server, bucket: str, size: int
+) -> None:
+    """The server makes the object and the answer is lost: the retry meets the object (412
+    from PutObject; moto completes an upload again without one) and knows it for its own by
+    its ETag, rather than failing with EEXIST."""
+    dropped: list[str] = []
+
+    def hook(environ: dict[str, Any]) -> None:
+        if (is_put_object(environ) or is_complete_upload(environ)) and not dropped:
+            dropped.append(environ["REQUEST_METHOD"])
+            raise DropReply
+
+    data = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+    s3.on_request = hook
+    storage = open_storage(f"s3://{bucket}/run", s3.options(**FAST))
+    try:
+        storage.write_file("step_1/shard.bin", [memoryview(data)])
+        assert storage.read_range("step_1/shard.bin", 0, len(data)) == data
+    finally:
+        s3.on_request = None
+        storage.close()
+    assert dropped == (["PUT"] if size < 5 * MiB else ["POST"])
+
+
+def test_a_create_retried_onto_another_object_is_refused(s3: S3Server, bucket: str) -> None:
+    """A retried PutObject that meets 412 and an object of other bytes (another writer's,
+    between the lost answer and the retry) is EEXIST: never taken for its own."""
+    key = "run/step_1/shard.bin"
+    dropped: list[bool] = []
+
+    def hook(environ: dict[str, Any]) -> None:
+        if is_put_object(environ) and _conditional(environ) and not dropped:
+            dropped.append(True)
+            environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
+            s3.client().put_object(Bucket=bucket, Key=key, Body=b"another writer's")
+            raise ErrorReply(503, code="SlowDown")
+
+    s3.on_request = hook
+    storage = open_storage(f"s3://{bucket}/run", s3.options(**FAST))
+    try:
+        with pytest.raises(StorageError) as info:
+            storage.write_file("step_1/shard.bin", [memoryview(b"mine")])
+    finally:
+        s3.on_request = None
+        storage.close()
+    assert info.value.errno == errno.EEXIST
+    assert s3.client().get_object(Bucket=bucket, Key=key)["Body"].read() == b"another writer's"
+
+
 def test_a_stream_stops_at_its_first_failed_part(s3: S3Server, bucket: str) -> None:
     """Every part refused: the write fails once a part has spent its retries, without cutting
     and sending the rest of the pieces (each would spend its own retries first)."""
@@ -501,7 +598,9 @@ async def test_server_down_in_the_middle_of_a_multipart_upload(s3: S3Server, buc
             with pytest.raises(StorageError) as info:
                 await handle
             s3.on_request = None
-            assert "step_000000000001/shard_r00000.safetensors" in str(info.value)
+            # the shard, whatever the save's unique part of its name
+            assert "step_000000000001/shard_r00000" in str(info.value)
+            assert ".safetensors" in str(info.value)
             assert "after 3 attempts" in str(info.value)
             # nothing committed; the part that got through is still held by the server
             client = s3.client()
