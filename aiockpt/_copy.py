@@ -2,24 +2,35 @@
 
 An incremental checkpoint reads some of its bytes from files of earlier steps (see
 :mod:`aiockpt._core.blocks`). A copy writes each shard whole, every byte checked against the
-shard's crc32c and its tensors' as it streams by, and a manifest without block tables: a
-checkpoint of format version 1 or 2, as a save with ``dedup=False`` writes it, which needs
-nothing else of the source root and which readers of those versions read.
+shard's crc32c and its tensors' as it streams by, and a manifest without block tables, as a
+save with ``dedup=False`` writes it, which needs nothing else of the source root.
+
+The copy writes into the destination as a save does: under the destination's lease (taken for
+the copy's duration, refused while a writer holds it), each shard under a name of this copy's
+own (format.shard_filename), so nothing the destination already holds, such as a retired file
+of a step with the same number, is overwritten; a failed copy removes only what it wrote.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable
+import os
+import uuid
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ._core import format as fmt
 from ._core.blocks import ShardMap
 from ._core.catalog import Catalog, ShardCrcs, manifest_path
 from ._core.pieces import Pieces
+from ._core.protocol import LeaseSpec
 from ._daemon.coord import publish_manifest
+from ._daemon.lease import LeaseKeeper
 from .errors import CheckpointError, CorruptCheckpointError, StepExistsError
+
+#: The destination's lease is held this long between renewals (see _daemon.lease).
+COPY_LEASE_TTL = 30.0
 
 #: A shard streams through memory in pieces of this size.
 COPY_CHUNK = 16 << 20
@@ -76,21 +87,50 @@ class _Streamed(Pieces):
         return self._next == self.n
 
 
-def self_contained(raw: dict[str, Any]) -> bytes:
-    """A manifest's text without its block tables, at the version its other contents need."""
+def self_contained(raw: dict[str, Any], names: dict[str, str]) -> bytes:
+    """A manifest's text without its block tables, its shard files renamed as ``names`` says
+    (old name -> the copy's), at the version every new write has."""
     for shard in raw["shards"]:
         shard.pop("blocks", None)
         shard.pop("stored", None)
-    version = fmt.tree_version(json.dumps(raw["trees"], separators=(",", ":")))
-    if "dtensors" in raw:
-        version = fmt.DTENSOR_VERSION
-    raw["version"] = version
+        shard["file"] = names[shard["file"]]
+    raw["tensors"] = {names[f]: entries for f, entries in raw["tensors"].items()}
+    for entry in raw.get("dtensors", {}).values():
+        for chunk in entry["chunks"]:
+            chunk["shard"] = names[chunk["shard"]]
+    raw["version"] = fmt.NAMES_VERSION
     return json.dumps(raw, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
 
+@contextlib.contextmanager
+def holding_lease(dest: Catalog) -> Iterator[Callable[[str], None]]:
+    """The destination root's lease, taken for a copy (refused with RootLockedError while a
+    writer holds it) and released after; yields the fence to check before each write."""
+    spec = LeaseSpec(owner=f"copy-{uuid.uuid4().hex}", ttl=COPY_LEASE_TTL, renew_every=10.0)
+    keeper = LeaseKeeper(dest.storage, spec, os.getpid())
+    keeper.acquire()
+    keeper.start()
+    try:
+        yield keeper.check
+    finally:
+        keeper.close(release=True)
+
+
 def copy_step(src: Catalog, m: fmt.Manifest, dest: Catalog, progress: Callable[[int], None]) -> int:
-    """Write step ``m`` of ``src`` into ``dest``, self-contained; the bytes written. A step
-    already committed in ``dest`` is refused; a failure leaves no committed step there."""
+    """Write step ``m`` of ``src`` into ``dest``, self-contained, under ``dest``'s lease; the
+    bytes written. A step already committed in ``dest`` is refused; a failure leaves no
+    committed step there, and removes only the files the copy wrote."""
+    with holding_lease(dest) as fence:
+        return _copy(src, m, dest, progress, fence)
+
+
+def _copy(
+    src: Catalog,
+    m: fmt.Manifest,
+    dest: Catalog,
+    progress: Callable[[int], None],
+    fence: Callable[[str], None],
+) -> int:
     step = m.step
     if dest.is_committed(step):
         raise StepExistsError(f"step {step} is already committed in {dest.where()}")
@@ -98,8 +138,12 @@ def copy_step(src: Catalog, m: fmt.Manifest, dest: Catalog, progress: Callable[[
     fmt.parse_manifest(data, path=where, step=step)  # the copy is of what was checked
     raw = json.loads(data)
     dirname = fmt.step_dirname(step)
+    tag = fmt.new_tag()
+    names = {shard.file: fmt.shard_filename(shard.rank, tag) for shard in m.shards}
+    fence(f"copy step {step}")
     dest.storage.makedirs(dirname)
     written = 0
+    made: list[str] = []
     try:
         for shard in m.shards:
             smap = src.shard_map(step, shard)
@@ -111,18 +155,22 @@ def copy_step(src: Catalog, m: fmt.Manifest, dest: Catalog, progress: Callable[[
                     path=src.where(smap.own),
                 )
             pieces = _Streamed(src, smap, shard, m.tensors[shard.file], progress)
-            dest.storage.write_file(f"{dirname}/{shard.file}", pieces)
+            fence(f"copy step {step}")
+            path = f"{dirname}/{names[shard.file]}"
+            dest.storage.write_file(path, pieces)
+            made.append(path)
             if not pieces.checked():
                 raise CheckpointError(
                     f"{dest.where()} did not take {shard.file} in order, so its checksums "
                     "could not be checked as it was copied; nothing was committed"
                 )
             written += shard.nbytes
-        publish_manifest(dest.storage, manifest_path(step), self_contained(raw), step)
+        fence(f"commit step {step}")
+        publish_manifest(dest.storage, manifest_path(step), self_contained(raw, names), step)
     except BaseException:
-        # What is left is a partial directory, collected by the next writer or by prune.
-        with contextlib.suppress(CheckpointError):
-            if not dest.is_committed(step):
-                dest.remove(step)
+        # Only what this copy wrote goes: the directory may hold a retired step's files.
+        for path in made:
+            with contextlib.suppress(CheckpointError):
+                dest.discard(step, path)
         raise
     return written

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 from _support.leaks import no_leaks  # noqa: F401 - an autouse fixture: pytest finds it here
 
@@ -14,3 +16,22 @@ def anyio_backend() -> str:
 def root(tmp_path) -> str:
     """A checkpoint root that does not exist yet."""
     return str(tmp_path / "run")
+
+
+@pytest.fixture
+def test_storages(monkeypatch) -> None:
+    """Serve the test storages of ``_support.storages`` for this test alone: ``fulldisk://``
+    (a disk that fills up on cue) and ``gated://`` (a writer paused mid-shard on cue). The
+    daemon imports them from the tests folder."""
+    from _support.storages import open_full_disk, open_gated
+
+    from aiockpt.storage import register_storage
+    from aiockpt.storage._registry import ENV_VAR
+
+    monkeypatch.setenv(ENV_VAR, "")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))
+    )
+    register_storage("fulldisk", open_full_disk)
+    register_storage("gated", open_gated)

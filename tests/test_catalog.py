@@ -10,7 +10,7 @@ import random
 import crc32c
 import pytest
 import torch
-from _support.roots import make_partial
+from _support.roots import make_partial, shard_name, shard_path
 
 from aiockpt import AsyncCheckpointManager
 from aiockpt._core import catalog as catalog_module
@@ -36,10 +36,6 @@ async def save_steps(root: str, *steps: int) -> None:
     async with AsyncCheckpointManager(root) as mgr:
         for step in steps:
             await (await mgr.save(step, state(step), metrics={"loss": 1.0 / (step + 1)}))
-
-
-def shard_path(root: str, step: int) -> str:
-    return os.path.join(root, fmt.step_dirname(step), fmt.shard_filename(0))
 
 
 class Recording(LocalStorage):
@@ -123,7 +119,7 @@ async def test_manifest_and_record_say_what_was_saved(root):
     assert m.step == 4
     assert m.world_size == 1
     assert m.metrics == {"loss": 0.2}
-    assert set(m.tensors[fmt.shard_filename(0)]) == {"w", "b", "empty"}
+    assert set(m.tensors[m.shard_of(0).file]) == {"w", "b", "empty"}
     record = catalog.read_record(4)
     assert (record.step, record.time, record.metrics) == (4, m.created_at, {"loss": 0.2})
     data, where = catalog.manifest_bytes(4)
@@ -231,14 +227,14 @@ async def test_a_flipped_byte_fails_the_file_and_its_tensor(root):
     await save_steps(root, 1)
     catalog = Catalog(LocalStorage(root))
     m = catalog.read_manifest(1)
-    r = m.tensors[fmt.shard_filename(0)]["w"]
+    r = m.tensors[m.shard_of(0).file]["w"]
     with open(shard_path(root, 1), "r+b") as f:
         f.seek(r.start + 5)
         byte = f.read(1)
         f.seek(r.start + 5)
         f.write(bytes([byte[0] ^ 0xFF]))
     problems, _ = verify(catalog, 1, 64)
-    path = f"{fmt.step_dirname(1)}/{fmt.shard_filename(0)}"
+    path = f"{fmt.step_dirname(1)}/{shard_name(root, 1)}"
     assert problems == [
         f"{path}: whole-file crc32c mismatch",
         f"{path}: tensor 'w' crc32c mismatch",
@@ -248,7 +244,7 @@ async def test_a_flipped_byte_fails_the_file_and_its_tensor(root):
 async def test_a_short_or_missing_shard_is_reported(root):
     await save_steps(root, 1)
     catalog = Catalog(LocalStorage(root))
-    path = f"{fmt.step_dirname(1)}/{fmt.shard_filename(0)}"
+    path = f"{fmt.step_dirname(1)}/{shard_name(root, 1)}"
     size = os.path.getsize(shard_path(root, 1))
     os.truncate(shard_path(root, 1), size - 1)
     problems, _ = verify(catalog, 1, 64)

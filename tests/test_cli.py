@@ -14,7 +14,14 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
-from _support.roots import flip_byte, make_partial, manifest_of, step_numbers
+from _support.roots import (
+    flip_byte,
+    make_partial,
+    manifest_of,
+    shard_name,
+    shard_path,
+    step_numbers,
+)
 
 from aiockpt import AsyncCheckpointManager
 from aiockpt._core import format as fmt
@@ -74,7 +81,7 @@ def aiockpt(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def shard(root: str, step: int) -> str:
-    return os.path.join(root, fmt.step_dirname(step), fmt.shard_filename(0))
+    return shard_path(root, step)
 
 
 # --------------------------------------------------------------------------- ls and show
@@ -162,11 +169,11 @@ def _sizes(root: str) -> list[tuple[int, str]]:
 
 def test_verify_catches_a_flipped_byte_in_a_tensor(run):
     m = manifest_of(run, 4)
-    start, _ = m["tensors"][fmt.shard_filename(0)]["model/weight"]["byte_range"]
+    start, _ = m["tensors"][shard_name(run, 4)]["model/weight"]["byte_range"]
     flip_byte(shard(run, 4), start + 1000)
     r = aiockpt("verify", run)
     assert r.returncode == 1
-    name = f"{fmt.step_dirname(4)}/{fmt.shard_filename(0)}"
+    name = f"{fmt.step_dirname(4)}/{shard_name(run, 4)}"
     assert "step 4: CORRUPT" in r.stdout
     assert f"{name}: whole-file crc32c mismatch" in r.stdout
     assert f"{name}: tensor 'model/weight' crc32c mismatch" in r.stdout
@@ -187,7 +194,7 @@ def test_verify_catches_a_flipped_byte_outside_every_tensor(run):
     assert r.returncode == 1
     assert r.stdout.splitlines() == [
         "step 2: CORRUPT",
-        f"  {fmt.step_dirname(2)}/{fmt.shard_filename(0)}: whole-file crc32c mismatch",
+        f"  {fmt.step_dirname(2)}/{shard_name(run, 2)}: whole-file crc32c mismatch",
     ]
 
 
@@ -200,11 +207,9 @@ def test_verify_names_missing_truncated_and_unreadable_files(run):
     r = aiockpt("verify", run)
     assert r.returncode == 1
     out = r.stdout
-    assert f"{fmt.step_dirname(1)}/{fmt.shard_filename(0)}: missing" in out
+    assert f"{fmt.step_dirname(1)}/{shard_name(run, 1)}: missing" in out
     size = manifest_of(run, 2)["shards"][0]["nbytes"]
-    assert (
-        f"{fmt.step_dirname(2)}/{fmt.shard_filename(0)}: 100 bytes, the manifest says {size}" in out
-    )
+    assert f"{fmt.step_dirname(2)}/{shard_name(run, 2)}: 100 bytes, the manifest says {size}" in out
     assert f"{fmt.step_dirname(3)}/{fmt.MANIFEST}: " in out
     assert "not valid JSON" in out
     assert "3 of 6 checkpoints corrupt" in r.stderr
@@ -419,7 +424,7 @@ def test_any_fsspec_url_works_as_root(run):
     assert ls.returncode == 0, ls.stderr
     assert [json.loads(x)["step"] for x in ls.stdout.splitlines()] == STEPS
     assert aiockpt("verify", url, *opts).returncode == 0
-    start, _ = manifest_of(run, 5)["tensors"][fmt.shard_filename(0)]["model/weight"]["byte_range"]
+    start, _ = manifest_of(run, 5)["tensors"][shard_name(run, 5)]["model/weight"]["byte_range"]
     flip_byte(shard(run, 5), start + 4)
     r = aiockpt("verify", url, *opts, "5")
     assert r.returncode == 1
@@ -432,11 +437,12 @@ def test_show_and_verify_cover_every_rank_of_a_multi_rank_checkpoint(run):
     # Make step 6 a two-rank checkpoint: rank 1's shard is a copy of rank 0's.
     step_dir = os.path.join(run, fmt.step_dirname(6))
     m = manifest_of(run, 6)
-    shutil.copy(shard(run, 6), os.path.join(step_dir, fmt.shard_filename(1)))
+    rank1 = fmt.shard_filename(1, fmt.new_tag())
+    shutil.copy(shard(run, 6), os.path.join(step_dir, rank1))
     r0 = m["shards"][0]
     m["world_size"] = 2
-    m["shards"].append({**r0, "file": fmt.shard_filename(1), "rank": 1})
-    m["tensors"][fmt.shard_filename(1)] = m["tensors"][fmt.shard_filename(0)]
+    m["shards"].append({**r0, "file": rank1, "rank": 1})
+    m["tensors"][rank1] = m["tensors"][r0["file"]]
     m["trees"]["1"] = m["trees"]["0"]
     with open(os.path.join(step_dir, fmt.MANIFEST), "w") as f:
         json.dump(m, f)
@@ -449,12 +455,12 @@ def test_show_and_verify_cover_every_rank_of_a_multi_rank_checkpoint(run):
         assert f"rank {rank}: values" in show.stdout
     assert aiockpt("verify", run, "6").returncode == 0
 
-    start, _ = m["tensors"][fmt.shard_filename(1)]["ids"]["byte_range"]
-    flip_byte(os.path.join(step_dir, fmt.shard_filename(1)), start)
+    start, _ = m["tensors"][rank1]["ids"]["byte_range"]
+    flip_byte(os.path.join(step_dir, rank1), start)
     r = aiockpt("verify", run, "6")
     assert r.returncode == 1
     assert r.stdout.splitlines() == [
         "step 6: CORRUPT",
-        f"  {fmt.step_dirname(6)}/{fmt.shard_filename(1)}: whole-file crc32c mismatch",
-        f"  {fmt.step_dirname(6)}/{fmt.shard_filename(1)}: tensor 'ids' crc32c mismatch",
+        f"  {fmt.step_dirname(6)}/{rank1}: whole-file crc32c mismatch",
+        f"  {fmt.step_dirname(6)}/{rank1}: tensor 'ids' crc32c mismatch",
     ]

@@ -329,7 +329,7 @@ def test_verify_json_gives_one_object_per_checkpoint(run):
         {"step": s, "ok": True, "problems": []} for s in (1, 2, 3)
     ]
 
-    shard = fmt.shard_filename(0)
+    shard = manifest_of(run, 2)["shards"][0]["file"]
     start, _ = manifest_of(run, 2)["tensors"][shard]["w"]["byte_range"]
     flip_byte(os.path.join(run, fmt.step_dirname(2), shard), start)
     with open(os.path.join(run, fmt.step_dirname(3), fmt.MANIFEST), "w") as f:

@@ -67,11 +67,16 @@ def _enough_file_descriptors():
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+def shard_file(rank: int) -> str:
+    """Rank ``rank``'s shard file, as one attempt (tag) of every rank names it."""
+    return fmt.shard_filename(rank, "0123456789abcdef")
+
+
 def make_part(rank: int, nbytes: int) -> Part:
     spec = fmt.TensorSpec("w", "U8", (nbytes,), 0, nbytes)
     tensors = fmt.tensors_json([spec], 0, [rank])
     tree = json.dumps({"D": [["w", {"T": "w"}]]}, separators=(",", ":"))
-    shard = {"file": fmt.shard_filename(rank), "rank": rank, "nbytes": nbytes, "crc32c": rank}
+    shard = {"file": shard_file(rank), "rank": rank, "nbytes": nbytes, "crc32c": rank}
     return Part(rank, shard, tensors, tree)
 
 
@@ -100,7 +105,7 @@ class Ranks:
                 step_dir = fmt.step_dirname(step)
                 self.storage.makedirs(step_dir)
                 payload = bytes([rank % 256]) * 64
-                self.storage.write_file(f"{step_dir}/{fmt.shard_filename(rank)}", [payload])
+                self.storage.write_file(f"{step_dir}/{shard_file(rank)}", [payload])
                 coord.commit(
                     step=step, uuid=uuid, part=make_part(rank, 64), metrics={}, metadata={}
                 )

@@ -45,17 +45,17 @@ def fsdp_run(tmp_path_factory) -> tuple[str, dict, Path]:
     return root, saved[0], tmp
 
 
-def test_fsdp_saved_on_2_stores_each_row_once_in_a_version_2_manifest(fsdp_run):
+def test_fsdp_saved_on_2_stores_each_row_once_in_a_distributed_table(fsdp_run):
     root, _, _ = fsdp_run
     m = manifest(root, 3)
-    assert m["version"] == 2
+    assert m["version"] == 4
     weight = m["dtensors"]["model/0.weight"]
     assert weight["shape"] == [5, 4]
     assert weight["placements"] == ["Shard(dim=0)"]
     # 5 rows on 2 ranks: 3 + 2, one chunk per rank, each in its rank's shard.
     assert [(c["offsets"], c["sizes"], c["shard"]) for c in weight["chunks"]] == [
-        ([0, 0], [3, 4], "shard_r00000.safetensors"),
-        ([3, 0], [2, 4], "shard_r00001.safetensors"),
+        ([0, 0], [3, 4], m["shards"][0]["file"]),
+        ([3, 0], [2, 4], m["shards"][1]["file"]),
     ]
     assert set(m["dtensors"]) >= {"optim/state/0/exp_avg", "optim/state/3/exp_avg_sq"}
 
@@ -105,7 +105,7 @@ def test_layouts_reshard_across_placements_and_replicas_are_stored_once(tmp_path
     m = manifest(root, 1)
     rep = m["dtensors"]["rep"]
     assert len(rep["chunks"]) == 1  # replicated: rank 0 writes it, rank 1 skips its bytes
-    assert "rep" not in m["tensors"]["shard_r00001.safetensors"]
+    assert "rep" not in m["tensors"][m["shards"][1]["file"]]
     assert [c["sizes"] for c in m["dtensors"]["w"]["chunks"]] == [[6, 5], [6, 5]]
     for rank in ranks("layouts_load", 2, tmp_path, root):
         assert rank["got"] == rank["expect"]

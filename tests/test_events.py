@@ -183,11 +183,11 @@ async def test_saves_and_loads_yield_start_phases_end_with_one_uuid(root):
 async def test_save_failing_in_the_daemon_yields_exception_with_the_error(root, caplog):
     rec, scopes = Recorder(), Scopes()
     async with AsyncCheckpointManager(root, event_handlers=[rec, scopes.tracker]) as mgr:
-        # the shard's path is taken by a directory: the daemon's write fails
-        blocker = os.path.join(root, fmt.step_dirname(5), fmt.shard_filename(0))
-        os.makedirs(blocker)
+        # the step's directory is taken by a file: the daemon's write fails
+        with open(os.path.join(root, fmt.step_dirname(5)), "w"):
+            pass
         handle = await mgr.save(5, state())
-        with pytest.raises(StorageError, match=fmt.shard_filename(0)) as raised:
+        with pytest.raises(StorageError, match=fmt.step_dirname(5)) as raised:
             await handle
         ok = await (await mgr.save(6, state()))
     assert ok.step == 6
@@ -199,7 +199,7 @@ async def test_save_failing_in_the_daemon_yields_exception_with_the_error(root, 
     assert event.error["type"] == f"{type(raised.value).__module__}.{type(raised.value).__name__}"
     assert event.error["message"] == str(raised.value)
     assert "Raised in the daemon" in event.error["traceback"]
-    assert fmt.shard_filename(0) in event.error["traceback"]
+    assert fmt.step_dirname(5) in event.error["traceback"]
     exc = assert_exited_with_error(scopes.by_uuid(handle.uuid), event)
     assert str(exc).startswith(event.error["type"])
     assert scopes.by_uuid(ok_uuid(rec, 6)).exit_args == (None, None, None)

@@ -1,4 +1,4 @@
-"""Checkpoints of every released format version, kept in tests/fixtures, still load.
+"""Checkpoints of every format version, kept in tests/fixtures, still load.
 
 The fixtures were written by the aiockpt release that introduced each version and are never
 rewritten: a change to the format that breaks one of them breaks a promise to every user with
@@ -7,6 +7,7 @@ checkpoints on disk.
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import subprocess
@@ -17,7 +18,7 @@ import anyio
 import pytest
 import torch
 
-from aiockpt import AsyncCheckpointManager
+from aiockpt import AsyncCheckpointManager, LatestN
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SCRIPT = str(Path(sys.executable).parent / "aiockpt")
@@ -150,3 +151,51 @@ def test_format_v3_checkpoint_verifies_and_copies_whole(v3_root: str, tmp_path: 
             return await mgr.load()
 
     assert torch.equal(anyio.run(main)["big"], torch.arange(262144, dtype=torch.float32))
+
+
+@pytest.fixture
+def v4_root(tmp_path: Path) -> str:
+    """Version 3's scenario written as version 4: every shard file named by its attempt."""
+    root = tmp_path / "v4"
+    shutil.copytree(FIXTURES / "format_v4", root)
+    return str(root)
+
+
+def test_format_v4_checkpoint_loads_through_its_block_table(v4_root: str) -> None:
+    async def main() -> tuple[list[int], dict]:
+        async with AsyncCheckpointManager(v4_root) as mgr:
+            return await mgr.steps(), await mgr.load()
+
+    steps, state = anyio.run(main)
+    assert steps == [4]
+    assert torch.equal(state["big"], torch.arange(262144, dtype=torch.float32))
+    assert torch.equal(state["small"], torch.full((4,), 4.0))
+    assert state["name"] == "v4"
+    (retired,) = (Path(v4_root) / "step_000000000003").iterdir()
+    assert retired.name.startswith("shard_r00000.")
+    done = subprocess.run([SCRIPT, "verify", v4_root], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_version_4_save_reads_from_a_version_3_file_and_outlives_it(v3_root: str) -> None:
+    """Incremental references across the versions: a new save into a version 3 root refers
+    to the untagged retired file the version 3 step reads from; once that step is deleted,
+    the file stays for the new one, and a rewind onto step 3 leaves it alone."""
+    big = torch.arange(262144, dtype=torch.float32)
+
+    async def main() -> tuple[dict, dict]:
+        async with AsyncCheckpointManager(v3_root, retention=LatestN(1)) as mgr:
+            await (await mgr.save(5, {"big": big, "small": torch.full((4,), 5.0)}))
+            assert await mgr.steps() == [5]
+            await (await mgr.save(3, {"big": big + 1, "small": torch.full((4,), 3.0)}))
+            return await mgr.load(5), await mgr.load(3)
+
+    five, three = anyio.run(main)
+    manifest = json.loads((Path(v3_root) / "step_000000000005" / "manifest.json").read_text())
+    assert manifest["version"] == 4
+    sources = {b[2] for b in manifest["shards"][0]["blocks"]} - {""}
+    assert sources == {"step_000000000003/shard_r00000.safetensors"}
+    assert torch.equal(five["big"], big)
+    assert torch.equal(three["big"], big + 1)
+    done = subprocess.run([SCRIPT, "verify", v3_root], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from aiockpt import AsyncCheckpointManager
-from aiockpt._core import format as fmt
 from aiockpt._core.catalog import Catalog
 from aiockpt._core.protocol import SlabRef
 from aiockpt._core.shm import Segment
@@ -27,7 +26,7 @@ from aiockpt._trainer.staging import make_layout
 from aiockpt._trainer.state import flatten
 from aiockpt.errors import CorruptCheckpointError, LoadMismatchError
 from aiockpt.storage import open_storage
-from tests._support.roots import flip_byte, manifest_of
+from tests._support.roots import flip_byte, manifest_of, shard_name, shard_path
 
 pytestmark = pytest.mark.anyio
 
@@ -60,10 +59,6 @@ def assert_same(a: dict, b: dict) -> None:
             assert torch.equal(v.get_state(), b[k].get_state()), k
         else:
             assert v == b[k], k
-
-
-def shard_path(root: str, step: int) -> str:
-    return os.path.join(root, fmt.step_dirname(step), fmt.shard_filename(0))
 
 
 async def save(root: str, step: int, value: dict) -> None:
@@ -133,7 +128,7 @@ async def test_a_head_that_differs_is_read_as_before(tmp_path, reader, slab):
     root, saved = str(tmp_path), state()
     await save(root, 1, saved)
     layout = make_layout(flatten(saved))
-    records = manifest_of(root, 1)["tensors"][fmt.shard_filename(0)]
+    records = manifest_of(root, 1)["tensors"][shard_name(root, 1)]
     seg = slab(layout.file_size)
     for image in [(layout.data_start, b"\0" * 32), (layout.data_start + 4096, layout.digest)]:
         answer, done = read_early(reader, seg, image)
@@ -198,7 +193,7 @@ async def test_what_a_load_read_as_an_image_checks_is_unchanged(tmp_path):
         with pytest.raises(LoadMismatchError, match="f3"):
             await mgr.load(1, into=target)
         assert not any(t.any() for k, t in target.items() if isinstance(t, torch.Tensor))
-        record = manifest_of(root, 1)["tensors"][fmt.shard_filename(0)]["h17"]
+        record = manifest_of(root, 1)["tensors"][shard_name(root, 1)]["h17"]
         flip_byte(shard_path(root, 1), record["byte_range"][0] + 3)
         target = blank(saved)
         with pytest.raises(CorruptCheckpointError, match="'h17' failed its crc32c") as err:

@@ -17,7 +17,7 @@ import pytest
 import torch
 from _support.daemon import daemon_in_process
 from _support.ranks import run_ranks
-from _support.roots import flip_byte, manifest_of, step_numbers
+from _support.roots import flip_byte, manifest_of, shard_name, shard_path, step_numbers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -103,8 +103,10 @@ def test_lora_saves_write_only_what_changed_and_outlive_the_first(root):
     assert written[1] > base
     assert all(written[s] < base / 8 for s in range(2, 21))
     assert not os.path.exists(os.path.join(root, fmt.step_dirname(1), fmt.MANIFEST))
-    assert os.path.exists(os.path.join(root, fmt.step_dirname(1), fmt.shard_filename(0)))
-    assert manifest_of(root, 20)["version"] == fmt.REFS_VERSION
+    assert any(
+        n.startswith("shard_r00000.") for n in os.listdir(os.path.join(root, fmt.step_dirname(1)))
+    )
+    assert manifest_of(root, 20)["version"] == fmt.NAMES_VERSION
 
     async def load_all() -> None:
         async with AsyncCheckpointManager(root, read_only=True) as mgr:
@@ -117,9 +119,9 @@ def test_lora_saves_write_only_what_changed_and_outlive_the_first(root):
     assert cli("verify", root).returncode == 0
 
 
-def test_the_first_save_stays_version_1_and_dedup_false_writes_everything(root, tmp_path):
-    """Nothing to refer to: the shard is the whole safetensors file and the manifest version
-    1, so older readers read it. With dedup=False nothing is ever referred to."""
+def test_the_first_save_is_its_own_file_and_dedup_false_writes_everything(root, tmp_path):
+    """Nothing to refer to: the shard is the whole safetensors file, as safetensors reads it.
+    With dedup=False nothing is ever referred to."""
     from safetensors import safe_open
 
     state = {"w": torch.randn(512, 1024), "b": torch.arange(10)}
@@ -135,18 +137,18 @@ def test_the_first_save_stays_version_1_and_dedup_false_writes_everything(root, 
 
     anyio.run(main)
     first = manifest_of(root, 1)
-    assert first["version"] == 1
+    assert first["version"] == fmt.NAMES_VERSION
     assert first["shards"][0]["stored"] == first["shards"][0]["nbytes"]
-    with safe_open(os.path.join(root, fmt.step_dirname(1), fmt.shard_filename(0)), "pt") as f:
+    with safe_open(shard_path(root, 1), "pt") as f:
         assert torch.equal(f.get_tensor("w"), state["w"])
     second = manifest_of(root, 2)
-    assert second["version"] == fmt.REFS_VERSION
+    assert second["version"] == fmt.NAMES_VERSION
     assert second["shards"][0]["stored"] < 8192  # the header
     for step in (1, 2):
         m = manifest_of(off, step)
-        assert m["version"] == 1
+        assert m["version"] == fmt.NAMES_VERSION
         assert "blocks" not in m["shards"][0]
-        shard = os.path.join(off, fmt.step_dirname(step), fmt.shard_filename(0))
+        shard = shard_path(off, step)
         assert os.path.getsize(shard) == m["shards"][0]["nbytes"]
     with pytest.raises(TypeError, match="dedup"):
         AsyncCheckpointManager(root, dedup="yes")  # type: ignore[arg-type]
@@ -204,13 +206,13 @@ def test_a_referenced_file_corrupt_or_missing_is_named_with_its_step(root):
             return await mgr.load(step)
 
     anyio.run(save)
-    shard1 = os.path.join(root, fmt.step_dirname(1), fmt.shard_filename(0))
-    flip_byte(shard1, manifest_of(root, 1)["tensors"][fmt.shard_filename(0)]["w"]["byte_range"][0])
+    shard1 = shard_path(root, 1)
+    flip_byte(shard1, manifest_of(root, 1)["tensors"][shard_name(root, 1)]["w"]["byte_range"][0])
     with pytest.raises(CorruptCheckpointError, match=r"step_000000000001.*written by step 1"):
         anyio.run(load, 2)
     verify = cli("verify", root, "2")
     assert verify.returncode == 1
-    assert "step_000000000001/shard_r00000.safetensors (written by step 1)" in verify.stdout
+    assert f"step_000000000001/{shard_name(root, 1)} (written by step 1)" in verify.stdout
     os.unlink(shard1)
     with pytest.raises(CorruptCheckpointError, match=r"written by step 1 and referenced by"):
         anyio.run(load, 2)
@@ -219,7 +221,7 @@ def test_a_referenced_file_corrupt_or_missing_is_named_with_its_step(root):
 
 def test_copy_makes_a_self_contained_checkpoint(root, tmp_path):
     """`aiockpt copy` writes every referenced byte into the copy's own shard: it loads with
-    the source gone, and is version 1 again."""
+    the source gone, and has no block table."""
     state = {"w": torch.randn(1024, 1024), "step": 0}
     dest = str(tmp_path / "copy")
 
@@ -230,7 +232,7 @@ def test_copy_makes_a_self_contained_checkpoint(root, tmp_path):
                 await (await mgr.save(step, state))
 
     anyio.run(save)
-    assert manifest_of(root, 3)["version"] == fmt.REFS_VERSION
+    assert manifest_of(root, 3)["version"] == fmt.NAMES_VERSION
     done = cli("copy", root, "3", dest)
     assert done.returncode == 0, done.stderr
     assert cli("copy", root, "3", dest).returncode == 1  # already there: refused
@@ -241,7 +243,7 @@ def test_copy_makes_a_self_contained_checkpoint(root, tmp_path):
     assert torch.equal(load_file(exported)["w"], state["w"])
     shutil.rmtree(root)
     m = manifest_of(dest, 3)
-    assert m["version"] == 1
+    assert m["version"] == fmt.NAMES_VERSION
     assert "blocks" not in m["shards"][0]
     assert step_numbers(dest) == [3]
 
@@ -276,7 +278,7 @@ def test_show_and_ls_tell_written_and_referenced_bytes(root):
     assert "read from 1 file of step 1" in show.stdout
 
     record = json.loads(cli("show", root, "2", "--json").stdout)
-    assert record["referenced_files"] == ["step_000000000001/shard_r00000.safetensors"]
+    assert record["referenced_files"] == [f"step_000000000001/{shard_name(root, 1)}"]
     assert record["referenced_nbytes"] == 4 * MiB
     assert record["written_nbytes"] + record["referenced_nbytes"] == record["nbytes"]
 
@@ -384,9 +386,9 @@ def hostile(mutate) -> str:
             lambda m, s: s["blocks"][0].__setitem__(
                 2, "step_000000000004/shard_r00000.safetensors"
             ),
-            "not another step's shard file",
+            "not another shard file",
         ),
-        (lambda m, s: s["blocks"][0].__setitem__(2, "../etc/passwd"), "not another step's"),
+        (lambda m, s: s["blocks"][0].__setitem__(2, "../etc/passwd"), "not another shard"),
         (lambda m, s: s["blocks"][1].__setitem__(3, 0), "overlap"),  # over the header
         (lambda m, s: s["blocks"][1].__setitem__(3, 4100), "outside its file"),
         (lambda m, s: s["blocks"][0].__setitem__(0, 1 << 30), "more bytes than the shard"),
@@ -415,7 +417,7 @@ def test_ranks_refer_to_their_unchanged_chunks(tmp_path, root):
         assert rank["requests"]["3"]["write_file"] == 1  # the shard, however many its parts
     assert out[0]["requests"]["3"]["put_if_absent"] == 1  # rank 0 commits the manifest
     assert "put_atomic" not in out[1]["requests"]["3"]  # its part went through the job's store
-    assert manifest_of(root, 3)["version"] == fmt.REFS_VERSION
+    assert manifest_of(root, 3)["version"] == fmt.NAMES_VERSION
 
     async def load() -> dict:
         async with AsyncCheckpointManager(root, read_only=True) as mgr:
@@ -441,7 +443,9 @@ def test_a_base_deleted_behind_the_runs_back_is_not_referred_to(root):
             return await mgr.load(2)
 
     assert torch.equal(anyio.run(main)["w"], state["w"])
-    assert manifest_of(root, 2)["version"] == 1
+    assert "blocks" not in manifest_of(root, 2)["shards"][0] or all(
+        b[2] == "" for b in manifest_of(root, 2)["shards"][0]["blocks"]
+    )
 
 
 def test_a_file_is_not_kept_alive_for_a_small_part_of_it(root):
@@ -505,7 +509,7 @@ def test_two_saves_in_flight_refer_only_to_committed_bytes(root):
         assert torch.equal(got[step]["big"], big)
         assert got[step]["small"][0] == step
     (shard,) = manifest_of(root, 2)["shards"]
-    assert {b[2] for b in shard["blocks"]} == {"", "step_000000000001/shard_r00000.safetensors"}
+    assert {b[2] for b in shard["blocks"]} == {"", f"step_000000000001/{shard_name(root, 1)}"}
 
 
 def test_crcs_of_unchanged_blocks_come_from_the_base_and_stay_right(root):
@@ -533,7 +537,7 @@ def test_crcs_of_unchanged_blocks_come_from_the_base_and_stay_right(root):
     # A restart: the base comes from the manifest, without crcs.
     anyio.run(saves_noting_crcs, [4, 5])
     for step, crc in crcs.items():
-        entry = manifest_of(root, step)["tensors"][fmt.shard_filename(0)]["big"]
+        entry = manifest_of(root, step)["tensors"][shard_name(root, step)]["big"]
         assert entry["crc32c"] == crc, step
-    assert manifest_of(root, 5)["version"] == fmt.REFS_VERSION
+    assert manifest_of(root, 5)["version"] == fmt.NAMES_VERSION
     assert cli("verify", root).returncode == 0  # every tensor's crc and the shards'

@@ -6,10 +6,12 @@ import os
 import signal
 import time
 import warnings
+from unittest import mock
 
 import anyio
 import pytest
 import torch
+from _support.roots import shard_path
 from safetensors import safe_open
 
 from aiockpt import AsyncCheckpointManager, CheckpointInfo, SaveHandle
@@ -197,7 +199,7 @@ async def test_shard_opens_with_safetensors(root):
     state = {"model": {"w": torch.randn(5, 3), "i": torch.arange(7, dtype=torch.int16)}, "x": 2}
     async with AsyncCheckpointManager(root) as mgr:
         info = await (await mgr.save(12, state))
-    shard = os.path.join(info.url, "shard_r00000.safetensors")
+    shard = shard_path(root, 12)
     with open(shard, "rb") as f:
         header_len = int.from_bytes(f.read(8), "little")
     assert (8 + header_len) % 4096 == 0  # data starts aligned
@@ -208,9 +210,9 @@ async def test_shard_opens_with_safetensors(root):
     with open(os.path.join(info.url, "manifest.json")) as f:
         manifest = json.load(f)
     assert manifest["format"] == "aiockpt"
-    assert manifest["version"] == 1
+    assert manifest["version"] == fmt.NAMES_VERSION
     assert manifest["step"] == 12
-    assert manifest["shards"][0]["file"] == "shard_r00000.safetensors"
+    assert fmt.parse_shard_filename(manifest["shards"][0]["file"]) == (0, mock.ANY)
 
 
 async def test_steps_latest_and_partials_ignored(root):
@@ -364,15 +366,15 @@ async def test_daemon_killed_during_large_save(root):
 
 async def test_corrupt_byte_is_caught_on_load(root):
     async with AsyncCheckpointManager(root) as mgr:
-        info = await (await mgr.save(1, {"a": torch.zeros(100), "b": torch.ones(100)}))
-        shard = os.path.join(info.url, "shard_r00000.safetensors")
+        await (await mgr.save(1, {"a": torch.zeros(100), "b": torch.ones(100)}))
+        shard = shard_path(root, 1)
         with open(shard, "r+b") as f:
             f.seek(-1, os.SEEK_END)
             byte = f.read(1)
             f.seek(-1, os.SEEK_END)
             f.write(bytes([byte[0] ^ 0xFF]))
         with pytest.raises(
-            CorruptCheckpointError, match="shard_r00000.safetensors: tensor 'b'"
+            CorruptCheckpointError, match=r"shard_r00000\.[0-9a-f]{16}\.safetensors: tensor 'b'"
         ) as exc:
             await mgr.load(1)
         assert exc.value.key == "b"
@@ -518,7 +520,7 @@ async def test_a_save_after_load_into_writes_a_whole_shard(root, skip_unchanged)
         await mgr.load(1, into=state)  # through the slab step 2 was staged in
         assert mgr._pool.busy == 0
         await (await mgr.save(3, state))
-    shard = os.path.join(root, fmt.step_dirname(3), fmt.shard_filename(0))
+    shard = shard_path(root, 3)
     on_disk = safetensors.torch.load_file(shard)  # the header and padding are whole
     assert set(on_disk) == set(state)
     assert all(torch.equal(on_disk[k], first[k]) for k in state)

@@ -348,17 +348,23 @@ async def test_deletion_comes_only_after_the_displacing_commit(root):
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("obstacle", ["shard_r00000.safetensors", "manifest.json.{pid}.new"])
-async def test_a_save_that_fails_in_the_daemon_deletes_nothing(root, obstacle):
-    async with AsyncCheckpointManager(root, retention=LatestN(1)) as mgr:
+@pytest.mark.parametrize("full_at", ["write_flag", "flag"])
+async def test_a_save_that_fails_in_the_daemon_deletes_nothing(tmp_path, test_storages, full_at):
+    root = str(tmp_path / "run")
+    flag = str(tmp_path / "full")
+    url = f"fulldisk://{root}"
+    async with AsyncCheckpointManager(
+        url, retention=LatestN(1), storage_options={full_at: flag}
+    ) as mgr:
         await (await mgr.save(1, state(1)))
-        # A directory where the daemon must write a file: the shard write (or, after the shard
-        # is written, the commit's temporary manifest) fails inside the daemon.
-        obstacle = obstacle.format(pid=mgr.daemon_pid)
-        os.makedirs(os.path.join(root, fmt.step_dirname(2), obstacle))
+        # The disk fills up: the shard write (or, after the shard is written, the commit)
+        # fails inside the daemon.
+        with open(flag, "w"):
+            pass
         handle = await mgr.save(2, state(2))
-        with pytest.raises(StorageError):
+        with pytest.raises(StorageError, match="no space left"):
             await handle
+        os.unlink(flag)
         assert await mgr.steps() == [1]
         assert step_dirs(root) == dirnames(1)  # the failed save's directory is cleaned up
         loaded = await mgr.load(1)
@@ -567,7 +573,8 @@ async def test_an_interrupted_deletion_is_never_listed_or_loaded(root):
         assert "retention failed to delete" in str(error)
         assert storage.calls[0] == (f"{fmt.step_dirname(1)}/{fmt.MANIFEST}", False)  # first
         assert deleted == [1]
-        assert os.listdir(os.path.join(root, fmt.step_dirname(1))) == [fmt.shard_filename(0)]
+        (left,) = os.listdir(os.path.join(root, fmt.step_dirname(1)))
+        assert fmt.parse_shard_filename(left) is not None
         assert daemon.handle(StepsReq(0)) == (2,)
         assert [r.step for r in daemon.handle(RecordsReq(0))] == [2]
         with pytest.raises(CheckpointNotFoundError, match="step 1 is not a committed"):

@@ -19,6 +19,7 @@ import anyio
 import pytest
 import safetensors.torch
 import torch
+from _support.roots import shard_name, shard_path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -79,7 +80,7 @@ async def test_shape_changed_in_place(root):
         state["w007"].unsqueeze_(0)  # same object, same key, new shape
         state["w020"].resize_(2)
         assert_same(await save_and_load(mgr, 1, state), state)
-    assert manifest(root, 1)["tensors"][fmt.shard_filename(0)]["w007"]["shape"] == [1, 5]
+    assert manifest(root, 1)["tensors"][shard_name(root, 1)]["w007"]["shape"] == [1, 5]
 
 
 async def test_dtype_changed_through_data(root):
@@ -409,7 +410,7 @@ async def test_a_save_after_load_into_reuses_the_loads_layout(root, monkeypatch)
         assert_same(await mgr.load(2), state)
     assert len(made) == 1  # the load's: a 20k-tensor layout took 0.2-0.4 s to make
     # The slab was new to the load, which made its views: the save wrote the header.
-    shard = os.path.join(root, fmt.step_dirname(2), fmt.shard_filename(0))
+    shard = shard_path(root, 2)
     on_disk = safetensors.torch.load_file(shard)
     assert_same({"model": {k.split("/", 1)[1]: v for k, v in on_disk.items()}}, state)
 

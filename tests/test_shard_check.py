@@ -9,8 +9,6 @@ one.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -18,7 +16,7 @@ from aiockpt import AsyncCheckpointManager
 from aiockpt._core import format as fmt
 from aiockpt._daemon.reader import whole_shard
 from aiockpt.errors import CorruptCheckpointError
-from tests._support.roots import flip_byte, manifest_of
+from tests._support.roots import flip_byte, manifest_of, shard_name, shard_path
 
 pytestmark = pytest.mark.anyio
 
@@ -38,11 +36,11 @@ def load_ends(events: list) -> list:
 
 
 def shard_file(root: str, step: int) -> str:
-    return os.path.join(root, fmt.step_dirname(step), fmt.shard_filename(0))
+    return shard_path(root, step)
 
 
 def record(root: str, step: int, name: str) -> dict:
-    return manifest_of(root, step)["tensors"][fmt.shard_filename(0)][name]
+    return manifest_of(root, step)["tensors"][shard_name(root, step)][name]
 
 
 async def test_a_load_of_every_tensor_reads_the_whole_shard(tmp_path):

@@ -36,7 +36,9 @@ SMALL_BYTES = 1 << 20
 #: The content hash's name (xxh3-128, 32 lowercase hex digits).
 HASH = "xxh3-128"
 _HEX = re.compile(r"[0-9a-f]{32}", re.ASCII)
-_REF = re.compile(r"step_(\d{12})/shard_r\d{5}\.safetensors", re.ASCII)
+#: A block's source: a shard file of a step, by its path under the root (untagged in versions
+#: 1-3, tagged by the attempt that wrote it from version 4 on: see format.shard_filename).
+_REF = re.compile(r"step_(\d{12})/shard_r\d{5}(\.[0-9a-f]{16})?\.safetensors", re.ASCII)
 
 
 def cut_blocks(spans: Iterable[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:
@@ -101,20 +103,25 @@ def in_order(blocks: Sequence[Block], data_start: int) -> bool:
     return True
 
 
-def is_block_source(source: Any, own_step: int) -> bool:
-    """Whether ``source`` names a shard file of a step other than ``own_step``."""
+def is_block_source(source: Any, own: str, *, tagged: bool = True) -> bool:
+    """Whether ``source`` names a shard file other than ``own`` (the shard's own file, by its
+    path under the root). ``tagged`` False (versions 1-3, whose names repeat): only an
+    untagged file of another step's directory."""
     m = _REF.fullmatch(source) if isinstance(source, str) else None
-    return m is not None and int(m.group(1)) != own_step
+    if m is None or source == own:
+        return False
+    return tagged or (m.group(2) is None and m.group(1) != own[5:17])
 
 
 def parse_blocks(
-    raw: Any, *, nbytes: int, stored: Any, own_step: int, path: str, file: str
+    raw: Any, *, nbytes: int, stored: Any, own: str, tagged: bool, path: str, file: str
 ) -> tuple[tuple[Block, ...], int]:
     """Validate a shard's untrusted block table; return it and the own file's size.
 
-    The blocks tile the data section, which ends at ``nbytes``; the own file holds the header
-    at offset 0 and its blocks after it, disjoint and within ``stored`` bytes; a block stored
-    elsewhere names a shard file of another step."""
+    The blocks tile the data section, which ends at ``nbytes``; the own file (``own``, its
+    path under the root) holds the header at offset 0 and its blocks after it, disjoint and
+    within ``stored`` bytes; a block stored elsewhere names another shard file (see
+    :func:`is_block_source` for ``tagged``)."""
 
     def bad(why: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{path}: shard {file}: {why}", path=path)
@@ -135,16 +142,16 @@ def parse_blocks(
             raise bad(f"block hash {_short(digest)} is not 32 hex digits")
         if not isinstance(source, str):
             raise bad(f"malformed block {_short(entry)}")
-        if source and not is_block_source(source, own_step):
-            raise bad(f"block source {_short(source)} is not another step's shard file")
+        if source and not is_block_source(source, own, tagged=tagged):
+            raise bad(f"block source {_short(source)} is not another shard file of the root")
         total += length
         blocks.append(Block(length, digest, source, offset))
     data_start = nbytes - total
     if data_start < 8:
         raise bad("the blocks hold more bytes than the shard")
-    own = sorted((b.offset, b.offset + b.length) for b in blocks if not b.source)
+    spans = sorted((b.offset, b.offset + b.length) for b in blocks if not b.source)
     last = data_start  # the header [0, data_start) is the own file's first bytes
-    for lo, hi in own:
+    for lo, hi in spans:
         if lo < last or hi > stored:
             raise bad("its own blocks overlap each other or lie outside its file")
         last = hi

@@ -139,6 +139,20 @@ class Catalog:
         """Remove a step's directory and everything in it (missing is not an error)."""
         self.storage.delete(fmt.step_dirname(step), recursive=True)
 
+    def discard(self, step: int, path: str | None) -> None:
+        """Remove ``path`` (if any), a file a save of ``step`` wrote and failed to commit,
+        unless the step's manifest names it after all; then the step's directory when
+        nothing else is in it (a retired directory keeps its files). The file's name is its
+        attempt's own (format.shard_filename), so nothing any manifest refers to is touched."""
+        if path is not None:
+            if self.is_committed(step):
+                names = {s.file for s in self.read_manifest(step, lazy=True).shards}
+                if path.rsplit("/", 1)[-1] in names:
+                    return
+            self.storage.delete(path)
+        if not self.storage.list_dir(fmt.step_dirname(step)):
+            self.remove(step)
+
     def delete_step(self, step: int, *, uncommitted: Callable[[int], None] | None = None) -> None:
         """Delete a committed step, its manifest first: a deletion cut short leaves a partial
         step directory, never a committed step with missing shards. ``uncommitted`` is called

@@ -1,4 +1,4 @@
-"""The on-disk format (versions 1 to 3): names, shard header, manifest and its validation.
+"""The on-disk format (versions 1 to 4): names, shard header, manifest and its validation.
 
 Everything read back from storage is untrusted: :func:`parse_manifest` and :func:`parse_header`
 check every field before a byte range is used. This module imports neither torch nor fsspec, so
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import secrets
 import struct
 from collections.abc import Callable, ItemsView, Iterator, Mapping, ValuesView
 from dataclasses import dataclass, field
@@ -37,7 +38,12 @@ DTENSOR_VERSION = 2
 #: shard's own file, or out of order in it (a block table, see blocks.py); a reader of
 #: versions 1-2 refuses it by its version.
 REFS_VERSION = 3
-VERSIONS = (VERSION, DTENSOR_VERSION, REFS_VERSION)
+#: The version every save writes: shard files are named by the attempt that wrote them
+#: (:func:`shard_filename`), so no later write can produce a name a manifest refers to; a
+#: block may then refer to another file of its own step's directory (a step number reused
+#: after a rewind). A reader of versions 1-3 refuses it by its version.
+NAMES_VERSION = 4
+VERSIONS = (VERSION, DTENSOR_VERSION, REFS_VERSION, NAMES_VERSION)
 MANIFEST = "manifest.json"
 #: The data section of a shard starts on this boundary, so the slab can be written with O_DIRECT.
 ALIGN = 4096
@@ -54,7 +60,10 @@ MAX_METADATA_DEPTH = 64
 # re.ASCII: without it \d also matches other scripts' digits, and int() accepts them, so a
 # name like "step_" + twelve Arabic-Indic digits would pass as a step directory.
 _STEP_DIR = re.compile(r"step_(\d{12})", re.ASCII)
-_SHARD_FILE = re.compile(r"shard_r(\d{5})\.safetensors", re.ASCII)
+#: A shard file's name: the rank, then (version 4) the tag of the attempt that wrote it.
+_SHARD_FILE = re.compile(r"shard_r(\d{5})(?:\.([0-9a-f]{16}))?\.safetensors", re.ASCII)
+#: The hex digits of a write's tag: 64 random bits, so two attempts never draw the same one.
+TAG_DIGITS = 16
 
 
 def step_dirname(step: int) -> str:
@@ -68,9 +77,25 @@ def parse_step_dirname(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def shard_filename(rank: int) -> str:
-    """The file name of rank ``rank``'s shard."""
-    return f"shard_r{rank:05d}.safetensors"
+def shard_filename(rank: int, tag: str | None = None) -> str:
+    """The file name of rank ``rank``'s shard as written by the attempt ``tag``
+    (:func:`new_tag`); without a tag, the name versions 1 to 3 gave every attempt."""
+    if tag is None:
+        return f"shard_r{rank:05d}.safetensors"
+    return f"shard_r{rank:05d}.{tag}.safetensors"
+
+
+def new_tag() -> str:
+    """A fresh attempt tag: the names a write makes with it are its own, whatever step, rank,
+    writer or retry wrote before (a rewound step, a fenced writer, a copy)."""
+    return secrets.token_hex(TAG_DIGITS // 2)
+
+
+def parse_shard_filename(name: str) -> tuple[int, str | None] | None:
+    """The rank and tag (None for an untagged name) of a shard file's name, or None when the
+    name is not one."""
+    m = _SHARD_FILE.fullmatch(name)
+    return (int(m.group(1)), m.group(2)) if m else None
 
 
 def align_up(n: int, align: int = ALIGN) -> int:
@@ -455,12 +480,62 @@ def parse_manifest_record(
     m_step, created, metrics = _manifest_head(raw, bad, step)
     refs = set()
     shards = raw.get("shards")
+    tagged = raw["version"] >= NAMES_VERSION
     for shard in shards if isinstance(shards, list) else ():
         table = shard.get("blocks") if isinstance(shard, dict) else None
+        own = f"{step_dirname(m_step)}/{shard.get('file')}" if isinstance(shard, dict) else ""
         for entry in table if isinstance(table, list) else ():
-            if isinstance(entry, list) and len(entry) == 4 and is_block_source(entry[2], m_step):
+            if (
+                isinstance(entry, list)
+                and len(entry) == 4
+                and is_block_source(entry[2], own, tagged=tagged)
+            ):
                 refs.add(entry[2])
     return created, metrics, frozenset(refs)
+
+
+def _parse_shards(
+    raw: dict[str, Any], world: int, m_step: int, bad: Callable[[str], Exception], path: str
+) -> list[ShardRecord]:
+    """The checked shard objects of a decoded manifest: names of the manifest's version,
+    ranks, sizes, crcs and block tables."""
+    shards_raw = raw.get("shards")
+    if not isinstance(shards_raw, list) or len(shards_raw) != world:
+        raise bad("the shards do not match the world size")
+    shards: list[ShardRecord] = []
+    for s in shards_raw:
+        if not isinstance(s, dict):
+            raise bad("malformed shard entry")
+        f, r, nb, crc = s.get("file"), s.get("rank"), s.get("nbytes"), s.get("crc32c")
+        if not isinstance(f, str) or (m := _SHARD_FILE.fullmatch(f)) is None:
+            raise bad(f"shard file name {_short(f)} is not a plain shard name")
+        if (m.group(2) is None) == (raw["version"] >= NAMES_VERSION):
+            # Version 4 names every file by its attempt; earlier versions never did.
+            raise bad(f"shard file name {f} does not match format version {raw['version']}")
+        if type(r) is not int or r != int(m.group(1)) or not 0 <= r < world:
+            raise bad(f"shard {f}: bad rank {_short(r)}")
+        if type(nb) is not int or nb < 8:
+            raise bad(f"shard {f}: bad size {_short(nb)}")
+        if type(crc) is not int or not 0 <= crc < 2**32:
+            raise bad(f"shard {f}: bad crc32c {_short(crc)}")
+        blocks: tuple[Block, ...] = ()
+        stored = -1
+        if "blocks" in s:
+            blocks, stored = parse_blocks(
+                s["blocks"],
+                nbytes=nb,
+                stored=s.get("stored"),
+                own=f"{step_dirname(m_step)}/{f}",
+                tagged=raw["version"] >= NAMES_VERSION,
+                path=path,
+                file=f,
+            )
+            if raw["version"] < REFS_VERSION and (
+                stored != nb or not in_order(blocks, nb - sum(b.length for b in blocks))
+            ):
+                raise bad(f"shard {f}: a version {raw['version']} shard is its own file, in order")
+        shards.append(ShardRecord(f, r, nb, crc, stored, blocks))
+    return shards
 
 
 @no_gc
@@ -478,33 +553,7 @@ def parse_manifest(
     world = raw.get("world_size")
     if type(world) is not int or not 1 <= world <= 1 << 20:
         raise bad(f"bad world_size {_short(world)}")
-    shards_raw = raw.get("shards")
-    if not isinstance(shards_raw, list) or len(shards_raw) != world:
-        raise bad("the shards do not match the world size")
-    shards: list[ShardRecord] = []
-    for s in shards_raw:
-        if not isinstance(s, dict):
-            raise bad("malformed shard entry")
-        f, r, nb, crc = s.get("file"), s.get("rank"), s.get("nbytes"), s.get("crc32c")
-        if not isinstance(f, str) or (m := _SHARD_FILE.fullmatch(f)) is None:
-            raise bad(f"shard file name {_short(f)} is not a plain shard name")
-        if type(r) is not int or r != int(m.group(1)) or not 0 <= r < world:
-            raise bad(f"shard {f}: bad rank {_short(r)}")
-        if type(nb) is not int or nb < 8:
-            raise bad(f"shard {f}: bad size {_short(nb)}")
-        if type(crc) is not int or not 0 <= crc < 2**32:
-            raise bad(f"shard {f}: bad crc32c {_short(crc)}")
-        blocks: tuple[Block, ...] = ()
-        stored = -1
-        if "blocks" in s:
-            blocks, stored = parse_blocks(
-                s["blocks"], nbytes=nb, stored=s.get("stored"), own_step=m_step, path=path, file=f
-            )
-            if raw["version"] < REFS_VERSION and (
-                stored != nb or not in_order(blocks, nb - sum(b.length for b in blocks))
-            ):
-                raise bad(f"shard {f}: a version {raw['version']} shard is its own file, in order")
-        shards.append(ShardRecord(f, r, nb, crc, stored, blocks))
+    shards = _parse_shards(raw, world, m_step, bad, path)
     sizes = {s.file: s.nbytes for s in shards}
     if len(sizes) != len(shards):
         raise bad("a shard is listed twice")

@@ -25,7 +25,6 @@ from typing import Any
 
 from .._core import dtable
 from .._core import format as fmt
-from .._core.blocks import needs_refs_version
 from .._core.storeops import StoreTimeout, StoreUnreachable
 from ..errors import DistributedSaveError, StepExistsError
 from ..storage import Storage
@@ -48,9 +47,6 @@ def merge(
     tensors = ",".join(f"{json.dumps(p.shard['file'])}:{p.tensors_json}" for p in parts)
     trees = ",".join(f'"{p.rank}":{p.tree_json}' for p in parts)
     dtensors = dtable.merge([(p.shard["file"], p.dtensors_json) for p in parts])
-    version = max(fmt.tree_version(p.tree_json) for p in parts)
-    if any(needs_refs_version(p.shard) for p in parts):
-        version = fmt.REFS_VERSION
     return fmt.manifest_json(
         step=step,
         created_at=created_at,
@@ -61,7 +57,7 @@ def merge(
         metrics=metrics,
         metadata=metadata,
         dtensors_json=dtensors,
-        version=max(version, fmt.VERSION if dtensors is None else fmt.DTENSOR_VERSION),
+        version=fmt.NAMES_VERSION,  # every shard file is named by its attempt
     )
 
 

@@ -156,7 +156,6 @@ class Writer:
         self.fence = fence
         self.storage = catalog.storage
         self.rank = cfg.rank
-        self.shard = fmt.shard_filename(cfg.rank)
         self.slabs = slabs
         self.windows = windows
         self.pool = pool
@@ -180,8 +179,14 @@ class Writer:
     def _save(self, req: SaveReq, counts: Counter[str] | None) -> None:
         t0 = time.monotonic()
         slab_free = False
-        created_dir = False  # a directory this rank alone made, removed if the save fails
         step_dir = fmt.step_dirname(req.step)
+        # The shard's name is this attempt's alone: nothing another attempt wrote (a retired
+        # step's file after a rewind, a fenced writer's, a failed save's) can be overwritten,
+        # and nothing this attempt leaves behind can be taken for another's.
+        name = fmt.shard_filename(self.rank, fmt.new_tag())
+        path = f"{step_dir}/{name}"
+        written_path: str | None = None  # the file this attempt created, once it did
+        made_dir = False
         try:
             tree, layout = self._take(req)
             if req.windows:
@@ -190,30 +195,25 @@ class Writer:
                 raise StepExistsError(f"step {req.step} is already committed in {self.storage.url}")
             self._fence(req, f"write step {req.step}")
             self.storage.makedirs(step_dir)
-            created_dir = True
+            made_dir = True
             if req.windows:
-                (tensors, shard_crc, dtensors), table, base = self._write_windows(req, layout)
+                (tensors, shard_crc, dtensors), table, base = self._write_windows(req, layout, path)
             else:
                 seg = self.slabs.get(req.slab, req.slab_size)
-                (tensors, shard_crc, dtensors), table, base = self._write_shard(req, seg, layout)
+                (tensors, shard_crc, dtensors), table, base = self._write_shard(
+                    req, seg, layout, path
+                )
                 self.outbox.send(SlabFree(req.slab))
+            written_path = path
             slab_free = True
             written = time.monotonic()
             nbytes = layout.msg.file_size
             stored = table.get("stored", nbytes)
             self._event("save.written", req, written - t0, nbytes, written_nbytes=stored)
-            shard = {"file": self.shard, "rank": self.rank, "nbytes": nbytes, "crc32c": shard_crc}
+            shard = {"file": name, "rank": self.rank, "nbytes": nbytes, "crc32c": shard_crc}
             shard.update(table)
-            if self.coord is not None:
-                created_dir = False  # other ranks write here too: never removed by one of them
-            try:
-                created_at = self._commit(req, Part(self.rank, shard, tensors, tree, dtensors))
-            except (LeaseLostError, StepExistsError):
-                # Fenced off, or beaten to the commit: the directory may be another writer's
-                # now, so nothing in it is ours to remove.
-                created_dir = False
-                raise
-            created_dir = False  # committed: never cleaned up as a partial
+            created_at = self._commit(req, Part(self.rank, shard, tensors, tree, dtensors))
+            made_dir, written_path = False, None  # committed: the manifest refers to it now
             if base is not None:
                 self.base = base  # the next save refers to what this one committed
             self.pruner.committed(CheckpointRecord(req.step, created_at, dict(req.metrics)))
@@ -233,7 +233,7 @@ class Writer:
                 self.coord.finished(req.step, req.uuid)  # the others' handles resolve now
             self.outbox.send(SaveDone(req.uuid, info=info, deleted=tuple(deleted), error=error))
         except BaseException as e:
-            self._failed(req, e, slab_free=slab_free, created_dir=created_dir)
+            self._failed(req, e, slab_free=slab_free, made_dir=made_dir, written=written_path)
 
     def _take(self, req: SaveReq) -> tuple[str, Layout]:
         """Update the caches as ``req`` says; its encoded tree and its layout."""
@@ -252,13 +252,12 @@ class Writer:
         return tree, layout
 
     def _write_shard(
-        self, req: SaveReq, seg: Segment, layout: Layout
+        self, req: SaveReq, seg: Segment, layout: Layout, path: str
     ) -> tuple[tuple[str, int, str], dict[str, object], Base | None]:
         """Write the slab's bytes as the shard, checksumming them meanwhile; with
         deduplication, only the blocks the base does not hold (see dedup.py). Returns the
         checksums, the shard's block-table fields (none without deduplication, or without
         a byte of data) and the base the next save will use (None: unchanged)."""
-        path = f"{fmt.step_dirname(req.step)}/{self.shard}"
         known_tensors, known_blocks = self.memory.recall(req, layout.msg, layout.tensor_index)
         with seg.buf[: layout.msg.file_size] as data:
             if not self.dedup:
@@ -311,11 +310,10 @@ class Writer:
         return result, shard_fields(table, stored), base
 
     def _write_windows(
-        self, req: SaveReq, layout: Layout
+        self, req: SaveReq, layout: Layout, path: str
     ) -> tuple[tuple[str, int, str], dict[str, object], Base | None]:
         """Write a shard staged in windows as they come (see stream.py); returns what
         :meth:`_write_shard` does."""
-        path = f"{fmt.step_dirname(req.step)}/{self.shard}"
         stream = ShardStream(
             req,
             layout.msg.specs,
@@ -392,9 +390,15 @@ class Writer:
         return created_at
 
     def _failed(
-        self, req: SaveReq, exc: BaseException, *, slab_free: bool, created_dir: bool
+        self,
+        req: SaveReq,
+        exc: BaseException,
+        *,
+        slab_free: bool,
+        made_dir: bool,
+        written: str | None,
     ) -> None:
-        """End a failed save: the slab back, the other ranks told, our partial removed."""
+        """End a failed save: the slab back, the other ranks told, the file it wrote removed."""
         if req.windows:
             self.windows.finish(req.uuid)  # the windows still to come go back
         elif not slab_free:
@@ -402,9 +406,13 @@ class Writer:
         if self.coord is not None and not isinstance(exc, DistributedSaveError):
             with contextlib.suppress(Exception):
                 self.coord.publish_failure(req.step, req.uuid, f"{type(exc).__name__}: {exc}")
-        if created_dir:
+        if made_dir and self.coord is None and not isinstance(exc, LeaseLostError):
+            # A writer fenced off writes nothing more, not even a delete: what it wrote is
+            # collected by the holder (see Catalog.collect_partials). On several ranks the
+            # commit may have happened without this rank hearing it: the file stays for the
+            # collection, which knows what the manifests refer to.
             with contextlib.suppress(Exception):
-                self.catalog.remove(req.step)
+                self.catalog.discard(req.step, written)
         self.outbox.send(SaveDone(req.uuid, error=remote_error(exc)))
 
     def _event(

@@ -18,6 +18,17 @@ def manifest_of(root: str, step: int) -> dict:
         return json.load(f)
 
 
+def shard_name(root: str, step: int, rank: int = 0) -> str:
+    """The file name of rank ``rank``'s shard of ``step``, as its manifest names it (every
+    attempt names its files its own way: format.shard_filename)."""
+    return next(s["file"] for s in manifest_of(root, step)["shards"] if s["rank"] == rank)
+
+
+def shard_path(root: str, step: int, rank: int = 0) -> str:
+    """The path of rank ``rank``'s shard file of ``step``."""
+    return os.path.join(root, fmt.step_dirname(step), shard_name(root, step, rank))
+
+
 def flip_byte(path: str, offset: int) -> None:
     """Flip one bit of the byte at ``offset`` of ``path``: corruption, the smallest kind."""
     with open(path, "r+b") as f:

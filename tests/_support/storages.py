@@ -3,8 +3,12 @@ daemon imports their factories by name, so they live in a module it can import."
 
 from __future__ import annotations
 
+import errno
+import os
+import time
 from typing import Any
 
+from aiockpt.errors import StorageError
 from aiockpt.storage import LocalStorage
 
 
@@ -17,3 +21,67 @@ class UnorderedStorage(LocalStorage):
 
 def open_unordered(url: str, storage_options: dict[str, Any]) -> UnorderedStorage:
     return UnorderedStorage(url.partition("://")[2])
+
+
+class GatedStorage(LocalStorage):
+    """A local root whose shard writes stop half way until a gate file exists: a writer
+    paused in the middle of a shard (SIGSTOP, a slow disk) without timing anything.
+
+    The storage options name the gate (``gate``, a path) and a file this storage creates once
+    a write has reached the gate (``reached``), so a test knows the writer is paused there."""
+
+    def __init__(self, root: str, gate: str, reached: str) -> None:
+        super().__init__(root)
+        self.gate, self.reached = gate, reached
+
+    def write_file(self, path: str, buffers: Any) -> None:
+        if "/shard_r" not in path or os.path.exists(self.gate):
+            super().write_file(path, buffers)
+            return
+        data = b"".join(bytes(b) for b in buffers)
+        half = len(data) // 2
+
+        def pieces() -> Any:
+            yield memoryview(data[:half])
+            with open(self.reached, "w"):
+                pass
+            while not os.path.exists(self.gate):
+                time.sleep(0.01)
+            yield memoryview(data[half:])
+
+        super().write_file(path, pieces())
+
+
+def open_gated(url: str, storage_options: dict[str, Any]) -> GatedStorage:
+    return GatedStorage(
+        url.partition("://")[2], storage_options["gate"], storage_options["reached"]
+    )
+
+
+class FullDiskStorage(LocalStorage):
+    """A local root whose disk is full while a flag file exists: at the commit (every
+    manifest creation fails with ENOSPC, after the shard was written; storage option
+    ``flag``), or at the shard's write (option ``write_flag``)."""
+
+    def __init__(self, root: str, flag: str | None, write_flag: str | None) -> None:
+        super().__init__(root)
+        self.flag, self.write_flag = flag, write_flag
+
+    @staticmethod
+    def _no_space(path: str) -> StorageError:
+        return StorageError(f"{path}: no space left on device", path=path, errno=errno.ENOSPC)
+
+    def write_file(self, path: str, buffers: Any) -> None:
+        if "/shard_r" in path and self.write_flag and os.path.exists(self.write_flag):
+            raise self._no_space(path)
+        super().write_file(path, buffers)
+
+    def put_if_absent(self, path: str, data: bytes) -> bool:
+        if path.endswith("/manifest.json") and self.flag and os.path.exists(self.flag):
+            raise self._no_space(path)
+        return super().put_if_absent(path, data)
+
+
+def open_full_disk(url: str, storage_options: dict[str, Any]) -> FullDiskStorage:
+    options = dict(storage_options)
+    return FullDiskStorage(url.partition("://")[2], options.get("flag"), options.get("write_flag"))

@@ -72,7 +72,7 @@ def crashed_save(url: str, log: str, step: int, shard: bytes) -> None:
     storage = RecordingStorage(url.partition("://")[2], log=log, url=url)
     step_dir = f"step_{step:012d}"
     storage.makedirs(step_dir)
-    storage.write_file(f"{step_dir}/shard_r00000.safetensors", [memoryview(shard)])
+    storage.write_file(f"{step_dir}/shard_r00000.{'0' * 16}.safetensors", [memoryview(shard)])
 
 
 async def record_single(root: str, log: str) -> Recording:
@@ -86,9 +86,9 @@ async def record_single(root: str, log: str) -> Recording:
     ) as mgr:
         for step in (1, 2, 4):
             if step == 4:
-                with open(
-                    os.path.join(root, "step_000000000002", "shard_r00000.safetensors"), "rb"
-                ) as f:
+                step2 = os.path.join(root, "step_000000000002")
+                (name,) = (n for n in os.listdir(step2) if n.startswith("shard_r00000."))
+                with open(os.path.join(step2, name), "rb") as f:
                     shard = f.read()
                 crashed_save(url, log, 3, shard[: len(shard) // 2])
             await (await mgr.save(step, state_for(step)))

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from _support.roots import flip_byte
+from _support.roots import flip_byte, shard_name
 
 from aiockpt import AsyncCheckpointManager
 from aiockpt.errors import CheckpointNotFoundError, CorruptCheckpointError
@@ -19,8 +19,6 @@ from aiockpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ._helpers import step_dir, verify_checkpoint
 
 pytestmark = pytest.mark.anyio
-
-SHARD = "shard_r00000.safetensors"
 
 
 def state() -> dict:
@@ -54,16 +52,16 @@ async def test_one_flipped_byte_names_file_and_tensor(root, seed):
         await (await mgr.save(1, state()))
         await (await mgr.save(2, state()))
         manifest = verify_checkpoint(root, 1)
-        tensors = manifest["tensors"][SHARD]
+        tensors = manifest["tensors"][shard_name(root, 1)]
         rng = random.Random(seed)
         name = rng.choice(sorted(tensors))
         start, end = tensors[name]["byte_range"]
-        shard = os.path.join(step_dir(root, 1), SHARD)
+        shard = os.path.join(step_dir(root, 1), shard_name(root, 1))
         flip_byte(shard, rng.randrange(start, end))
         with pytest.raises(CorruptCheckpointError) as exc:
             await mgr.load(1)
         assert exc.value.key == name
-        assert SHARD in exc.value.path
+        assert shard_name(root, 1) in exc.value.path
         assert f"tensor {name!r}" in str(exc.value)
         assert "crc32c" in str(exc.value)
         with pytest.raises(CorruptCheckpointError):
@@ -71,7 +69,7 @@ async def test_one_flipped_byte_names_file_and_tensor(root, seed):
         assert torch.equal((await mgr.load(2))["model"]["w"], state()["model"]["w"])
     code, out = verify_cli(root)
     assert code == 1
-    assert f"step_000000000001/{SHARD}: tensor {name!r} crc32c mismatch" in out
+    assert f"step_000000000001/{shard_name(root, 1)}: tensor {name!r} crc32c mismatch" in out
     assert "step 2: ok" in out
 
 
@@ -81,11 +79,11 @@ async def test_flipped_header_byte_is_caught_by_the_shard_crc(root):
     still records that the file differs."""
     async with AsyncCheckpointManager(root) as mgr:
         await (await mgr.save(1, state()))
-        shard = os.path.join(step_dir(root, 1), SHARD)
+        shard = os.path.join(step_dir(root, 1), shard_name(root, 1))
         flip_byte(shard, 20)
         out = await mgr.load(1)
     assert torch.equal(out["model"]["w"], state()["model"]["w"])
-    with pytest.raises(AssertionError, match=SHARD):
+    with pytest.raises(AssertionError, match=shard_name(root, 1)):
         verify_checkpoint(root, 1)
     code, out = verify_cli(root)
     assert code == 1
@@ -147,13 +145,13 @@ async def test_manifest_of_another_step_is_refused(root):
 async def test_shard_of_the_wrong_size_is_refused(root, change):
     async with AsyncCheckpointManager(root) as mgr:
         await (await mgr.save(1, state()))
-        shard = os.path.join(step_dir(root, 1), SHARD)
+        shard = os.path.join(step_dir(root, 1), shard_name(root, 1))
         size = os.path.getsize(shard)
         with open(shard, "r+b") as f:
             f.truncate(size - 1 if change == "truncate" else size + 4096)
         with pytest.raises(CorruptCheckpointError, match="the manifest says") as exc:
             await mgr.load(1)
-        assert exc.value.path.endswith(SHARD)
+        assert exc.value.path.endswith(shard_name(root, 1))
 
 
 async def test_swapped_tensor_ranges_are_caught(root):
@@ -164,7 +162,7 @@ async def test_swapped_tensor_ranges_are_caught(root):
         path = os.path.join(step_dir(root, 1), "manifest.json")
         with open(path) as f:
             m = json.load(f)
-        t = m["tensors"][SHARD]
+        t = m["tensors"][shard_name(root, 1)]
         t["a"]["byte_range"], t["b"]["byte_range"] = t["b"]["byte_range"], t["a"]["byte_range"]
         with open(path, "w") as f:
             json.dump(m, f)

@@ -23,7 +23,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from _support.roots import shm_segments
+from _support.roots import shard_name, shm_segments
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -37,7 +37,6 @@ from aiockpt.errors import CheckpointNotFoundError, CorruptCheckpointError, Unsu
 
 from ._helpers import step_dir
 
-SHARD = "shard_r00000.safetensors"
 HOSTILE_NAMES = [
     "..",
     "../secret.safetensors",
@@ -96,6 +95,11 @@ FUZZ = settings(
 
 
 # --------------------------------------------------------------------------- a real checkpoint
+
+
+def shard_of(manifest: dict) -> str:
+    """Rank 0's shard file, as the manifest names it."""
+    return manifest["shards"][0]["file"]
 
 
 def sample_state() -> dict[str, Any]:
@@ -199,7 +203,7 @@ def check_manifest_invariants(m: fmt.Manifest) -> None:
     """What a manifest that passed validation guarantees to the code that uses it."""
     sizes = {s.file: s.nbytes for s in m.shards}
     for s in m.shards:
-        assert re.fullmatch(r"shard_r[0-9]{5}\.safetensors", s.file), s.file
+        assert re.fullmatch(r"shard_r[0-9]{5}(\.[0-9a-f]{16})?\.safetensors", s.file), s.file
         assert 0 <= s.rank < m.world_size
     for shard, records in m.tensors.items():
         spans = []
@@ -423,7 +427,7 @@ def test_daemon_load_of_mutated_manifests_stays_inside_the_step(pristine, tmp_pa
         if field == "shard":
             raw["shards"][0]["file"] = bad
         else:
-            raw["tensors"] = {bad: raw["tensors"][SHARD]}
+            raw["tensors"] = {bad: raw["tensors"][shard_of(raw)]}
     else:
         raw = mutate(data, raw)
     with open(os.path.join(step_dir(root, 1), fmt.MANIFEST), "wb") as f:
@@ -445,7 +449,7 @@ def test_daemon_load_of_a_real_checkpoint_opens_only_its_files(pristine, tmp_pat
     assert error is None
     assert_confined(audit, root)
     opened = {os.path.basename(p) for p in audit.opened}
-    assert opened == {fmt.MANIFEST, SHARD}
+    assert opened == {fmt.MANIFEST, shard_name(root, 1)}
 
 
 # --------------------------------------------------------------------------- through the manager
@@ -467,15 +471,15 @@ def nest(node: Any, tag: str, depth: int) -> Any:
 
 
 def _set_shape(raw: dict, shape: list[int]) -> None:
-    raw["tensors"][SHARD]["model/w"]["shape"] = shape
+    raw["tensors"][shard_of(raw)]["model/w"]["shape"] = shape
 
 
 def _set_range(raw: dict, rng: list[int]) -> None:
-    raw["tensors"][SHARD]["model/w"]["byte_range"] = rng
+    raw["tensors"][shard_of(raw)]["model/w"]["byte_range"] = rng
 
 
 def _overlap(raw: dict) -> None:
-    t = raw["tensors"][SHARD]
+    t = raw["tensors"][shard_of(raw)]
     t["mask"]["byte_range"] = [t["model/w"]["byte_range"][0], t["model/w"]["byte_range"][0] + 5]
 
 
@@ -490,7 +494,7 @@ CASES = {
     "absurd size": lambda m: m["shards"][0].update(nbytes=2**80),
     "range past the file": lambda m: _set_range(m, [0, 2**40]),
     "overlapping tensors": _overlap,
-    "unknown dtype": lambda m: m["tensors"][SHARD]["model/w"].update(dtype="object"),
+    "unknown dtype": lambda m: m["tensors"][shard_of(m)]["model/w"].update(dtype="object"),
     "unhashable tensor ref": lambda m: m["trees"].update({"0": {"T": ["model/w"]}}),
     "tree too deep": lambda m: m["trees"].update({"0": nest({"V": 1}, "S", 129)}),
     "tree deeper than pickle": lambda m: m["trees"].update({"0": nest({"V": 1}, "S", 900)}),
@@ -527,7 +531,7 @@ async def test_a_partial_load_checks_the_records_it_reads(pristine, tmp_path):
         with anyio.fail_after(20), pytest.raises(CorruptCheckpointError, match="overlap"):
             await mgr.load(1)
         assert (await mgr.load(1, keys=["model/b"]))["model"]["b"].shape == (3,)
-    edit_manifest(root, lambda m: m["tensors"][SHARD]["mask"].update(dtype="object"))
+    edit_manifest(root, lambda m: m["tensors"][shard_of(m)]["mask"].update(dtype="object"))
     async with AsyncCheckpointManager(root) as mgr:
         got = await mgr.load(1, keys=["model"])
         assert set(got["model"]) == {"w", "b"}
@@ -571,9 +575,10 @@ async def test_too_deep_state_is_refused_at_save(root):
 @pytest.mark.anyio
 async def test_missing_shard_is_corrupt(pristine, tmp_path):
     root = copy_checkpoint(pristine[0], str(tmp_path / "run"))
-    os.unlink(os.path.join(step_dir(root, 1), SHARD))
+    shard = shard_name(root, 1)
+    os.unlink(os.path.join(step_dir(root, 1), shard))
     async with AsyncCheckpointManager(root) as mgr:
-        with pytest.raises(CorruptCheckpointError, match=SHARD):
+        with pytest.raises(CorruptCheckpointError, match=shard):
             await mgr.load(1)
 
 
@@ -590,12 +595,14 @@ class Payload:
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("target", [fmt.MANIFEST, SHARD])
+@pytest.mark.parametrize("target", [fmt.MANIFEST, "shard"])
 async def test_pickle_payloads_are_never_executed(pristine, tmp_path, target):
     """A manifest or shard replaced by a pickle whose loading would run code (as a torch.save
     file's would): load refuses it as corrupt and the code never runs. aiockpt parses only
     JSON and raw tensor bytes from storage."""
     root = copy_checkpoint(pristine[0], str(tmp_path / "run"))
+    if target == "shard":
+        target = shard_name(root, 1)
     Payload.marker = str(tmp_path / "pwned")
     blob = pickle.dumps({"state": Payload()})
     with open(os.path.join(step_dir(root, 1), target), "wb") as f:
@@ -627,7 +634,7 @@ async def test_keys_with_slashes_and_dots_are_stored_safely(root):
     async with AsyncCheckpointManager(root) as mgr:
         info = await (await mgr.save(1, state))
         out = await mgr.load(1)
-    assert sorted(os.listdir(info.url)) == [fmt.MANIFEST, SHARD]
+    assert sorted(os.listdir(info.url)) == [fmt.MANIFEST, shard_name(root, 1)]
     assert sorted(os.listdir(root)) == [LEASE_DIR, "step_000000000001"]  # nothing else
     assert torch.equal(out[".."][".."], torch.arange(2))
     assert torch.equal(out["/abs"], torch.arange(3))
