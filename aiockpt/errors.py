@@ -5,6 +5,9 @@ Every error derives from :class:`CheckpointError` and from the built-in it resem
 
     CheckpointError
     ├── UnsupportedValueError (TypeError)     a state leaf that cannot be saved; names its key path
+    ├── StateDictError (RuntimeError)         an object's state_dict() raised; names its key path
+    ├── StagingMemoryError (ValueError)       staging_memory, or /dev/shm, too small for the state
+    ├── StateChangedError (RuntimeError)      the state changed while save() copied it
     ├── InvalidStepError (ValueError)         a negative or non-int step
     │   └── StepExistsError                   a step that is already committed or in flight
     ├── CheckpointNotFoundError (LookupError) no committed checkpoint for that step / in that root
@@ -40,6 +43,9 @@ __all__ = [
     "ReadOnlyError",
     "RootLockedError",
     "SavedKeyNotFoundError",
+    "StagingMemoryError",
+    "StateChangedError",
+    "StateDictError",
     "StepExistsError",
     "StorageError",
     "UnsupportedValueError",
@@ -79,6 +85,16 @@ class UnsupportedValueError(CheckpointError, TypeError):
         self.reason = message
         #: Every refused value of the state, (key path, why), the first one first.
         self.problems: list[tuple[str, str]] = [(path, message), *(more or [])]
+
+
+class StateDictError(CheckpointError, RuntimeError):
+    """An object's ``state_dict()`` raised while its state was saved (or, on a load, checked
+    against what is restored into it); the message names its key path, and the error it
+    raised is the ``__cause__``."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path or '<root>'}: {message}")
+        self.path = path
 
 
 class InvalidStepError(CheckpointError, ValueError):
@@ -161,8 +177,10 @@ class StateChangedError(CheckpointError, RuntimeError):
 
 
 class StagingMemoryError(CheckpointError, ValueError):
-    """``staging_memory`` is too small for the state being saved: its shard cannot be cut into
-    windows that fit (the message says the least that works); nothing was written."""
+    """Shared memory is too small for a save or a load: ``staging_memory`` too small to cut the
+    shard into windows that fit (the message says the least that works), or /dev/shm without
+    room for a slab or a load's tensors (the message says how much was needed, how much is
+    free and what helps). Nothing was written, and a load(into=) target is unchanged."""
 
 
 class ReadOnlyError(CheckpointError, PermissionError):

@@ -44,6 +44,11 @@ from typing import Any, Final
 from ..errors import CorruptCheckpointError
 from .gc import no_gc
 
+# The depth limit and the rules for plain values are values', which save() checks too.
+from .values import MAX_TREE_DEPTH as MAX_TREE_DEPTH
+from .values import NON_FINITE as NON_FINITE
+from .values import key_problem, scalar_problem
+
 #: The tags of the nodes, as the table above describes them.
 TENSOR: Final = "T"
 DTENSOR: Final = "X"
@@ -65,14 +70,6 @@ TUPLE: Final = "U"
 STATEFUL: Final = "S"
 VALUE: Final = "V"
 FLOAT: Final = "F"
-
-#: Deepest nesting of a state tree. Saving and loading recurse (and pickle the tree across the
-#: pipe), so a deeper tree would end in RecursionError; 128 levels round-trip with room to spare.
-MAX_TREE_DEPTH = 128
-
-#: The strings that stand for non-finite floats, in FLOAT nodes and in a manifest's metrics.
-#: A tuple, not a set: ``in`` on it compares, so an unhashable untrusted value cannot raise.
-NON_FINITE: Final = ("nan", "inf", "-inf")
 
 
 def encode_float(value: float) -> float | str:
@@ -143,9 +140,11 @@ def walk(
                 if not isinstance(item, list) or len(item) != 2:
                     raise MalformedTree("dict item")
                 key, child = item
-                # A str key is the common case: test it first, then int (not bool).
-                if type(key) is not str and (isinstance(key, bool) or not isinstance(key, int)):
-                    raise MalformedTree("dict item")
+                # An ASCII str key is the common case: tested first, in C.
+                if (type(key) is not str or not key.isascii()) and (
+                    why := key_problem(key)
+                ) is not None:
+                    raise MalformedTree(f"dict key {bounded_repr(key)}: {why}")
                 push((f"{prefix}{key}" if paths else "", child, below))
             yield path, tag, body, depth
         elif tag in (LIST, TUPLE):
@@ -161,8 +160,9 @@ def walk(
             push((path, body, below))
             yield path, tag, body, depth
         elif tag == VALUE:
-            if body is not None and not isinstance(body, (bool, int, float, str)):
-                raise MalformedTree("value is not a JSON scalar")
+            why = scalar_problem(body)
+            if why is not None:
+                raise MalformedTree(f"value {bounded_repr(body)}: {why}")
             yield path, tag, body, depth
         elif tag == FLOAT:
             if body not in NON_FINITE:
@@ -370,7 +370,7 @@ def _scalar_value(value: Any) -> bool:
     """A NPSCALAR's value: a JSON number or bool, or a non-finite float's string."""
     if isinstance(value, str):
         return value in NON_FINITE
-    return isinstance(value, (bool, int, float))
+    return isinstance(value, (bool, int, float)) and scalar_problem(value) is None
 
 
 def bounded_repr(value: Any) -> str:

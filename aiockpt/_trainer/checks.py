@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from .._core import values
 from .._core.tree import encode_float
 from ..errors import UnsupportedValueError
 from ..retention import RetentionPolicy
@@ -103,11 +104,16 @@ def retention_policy(policy: Any) -> RetentionPolicy | None:
 
 def clean_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
     """The metrics as JSON numbers by name; a non-finite float becomes "nan", "inf" or
-    "-inf", as the manifest stores it."""
+    "-inf", as the manifest stores it. What the manifest reader would refuse is refused here,
+    by the same rules (``_core.values``): a metric it cannot read would commit a checkpoint
+    that retention and best_step skip, or prefer to a good one."""
     out: dict[str, Any] = {}
     for k, v in (metrics or {}).items():
         if not isinstance(k, str):
             raise UnsupportedValueError(f"metrics/{k!r}", "metric names must be str")
+        why = values.text_problem(k)
+        if why is not None:
+            raise UnsupportedValueError(f"metrics/{k}", why)
         if isinstance(v, torch.Tensor):
             if v.numel() != 1:
                 raise UnsupportedValueError(f"metrics/{k}", "a tensor metric must hold one value")
@@ -116,15 +122,31 @@ def clean_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
             raise UnsupportedValueError(
                 f"metrics/{k}", f"metrics must be numbers, not {type(v).__name__}"
             )
-        out[k] = encode_float(v) if isinstance(v, float) else v
+        stored = encode_float(v) if isinstance(v, float) else v
+        why = values.metric_problem(stored)
+        if why is not None:
+            raise UnsupportedValueError(f"metrics/{k}", why)
+        out[k] = stored
     return out
 
 
 def clean_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The metadata as a dict, refused unless it is plain JSON."""
+    """The metadata as a dict, refused unless it is plain JSON that the manifest reader keeps
+    (``_core.values``: its strings, numbers and depth)."""
     data = dict(metadata or {})
     try:
         json.dumps(data, allow_nan=False)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, RecursionError) as e:
+        # json_problem names the key path of what it refuses; json.dumps what else it does.
+        found = values.json_problem(data)
+        if found is not None:
+            raise UnsupportedValueError(_under("metadata", found[0]), found[1]) from None
         raise UnsupportedValueError("metadata", f"metadata must be plain JSON: {e}") from None
+    found = values.json_problem(data)
+    if found is not None:
+        raise UnsupportedValueError(_under("metadata", found[0]), found[1])
     return data
+
+
+def _under(prefix: str, path: str) -> str:
+    return f"{prefix}/{path}" if path else prefix

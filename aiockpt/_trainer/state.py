@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .._core import values
 from .._core.format import fragment_ref
 from .._core.gc import gc_paused, no_gc
 from .._core.tree import (
@@ -39,7 +40,7 @@ from .._core.tree import (
     decode_float,
     encode_float,
 )
-from ..errors import LoadMismatchError, UnsupportedValueError
+from ..errors import LoadMismatchError, StateDictError, UnsupportedValueError
 from .dtypes import ST_TO_TORCH as ST_TO_TORCH
 from .dtypes import TORCH_TO_ST as TORCH_TO_ST
 
@@ -236,6 +237,9 @@ class _Walk:
         if value is None or isinstance(value, (bool, int, str)):
             if isinstance(value, str) and "\x00" in value:
                 raise UnsupportedValueError(path, "strings with NUL characters are not stored")
+            why = values.scalar_problem(value)  # what the manifest reader would refuse
+            if why is not None:
+                raise UnsupportedValueError(path, why)
             return {VALUE: value}
         if isinstance(value, float):
             return {VALUE: value} if math.isfinite(value) else {FLOAT: encode_float(value)}
@@ -259,7 +263,7 @@ class _Walk:
                 tag = LIST if isinstance(value, list) else TUPLE
                 return {tag: [self.walk(v, _path(path, i), depth + 1) for i, v in enumerate(value)]}
             if is_stateful(value):
-                sd = value.state_dict()
+                sd = _state_dict(value, path)
                 if not isinstance(sd, Mapping):
                     raise UnsupportedValueError(path, "state_dict() did not return a mapping")
                 return {STATEFUL: self.walk(sd, path, depth + 1)}
@@ -286,7 +290,7 @@ class _Walk:
         prefix = f"{path}/" if path else ""
         add_tensor, walk = self.add_tensor, self.walk
         for k, v in value.items():
-            if (type(k) is not str or "\x00" in k) and not self.key_ok(k, path):
+            if (type(k) is not str or "\x00" in k or not k.isascii()) and not self.key_ok(k, path):
                 continue
             child = f"{prefix}{k}"
             if type(v) in _PLAIN_TENSORS:
@@ -377,6 +381,14 @@ class _Walk:
         dtensor_type = _dtensor_type()
         if dtensor_type is not None and isinstance(t, dtensor_type):
             return {DTENSOR: self.add_dtensor(t, path)}
+        if _is_sharded_tensor(t):
+            # Its dtype, layout or data pointer each raise inside torch: refuse it by name.
+            raise UnsupportedValueError(
+                path,
+                "a ShardedTensor (FSDP1's sharded state dict) is not saved: use FSDP2 "
+                "(fully_shard), whose parameters are DTensors, or get the state dict with "
+                "torch.distributed.checkpoint.state_dict.get_state_dict, which gives DTensors",
+            )
         return {TENSOR: self.add_tensor(t, path)}
 
     def add_dtensor(self, t: Any, path: str) -> str:
@@ -522,13 +534,31 @@ def _dtensor_type() -> type | None:
 
 
 def _check_key(key: Any, path: str) -> None:
-    """Refuse a dict key the tree cannot hold: not str or int, or holding a NUL."""
-    if isinstance(key, bool) or not isinstance(key, (str, int)):
-        raise UnsupportedValueError(
-            _path(path, repr(key)), f"dict keys must be str or int, not {type(key).__name__}"
-        )
-    if isinstance(key, str) and "\x00" in key:
-        raise UnsupportedValueError(_path(path, repr(key)), "keys with NUL characters are refused")
+    """Refuse a dict key the tree cannot hold: not a str or int the manifest keeps (see
+    values.key_problem), or holding a NUL."""
+    why = values.key_problem(key)
+    if why is None and isinstance(key, str) and "\x00" in key:
+        why = "keys with NUL characters are refused"
+    if why is not None:
+        raise UnsupportedValueError(_path(path, repr(key)), why)
+
+
+def _state_dict(obj: Any, path: str) -> Any:
+    """``obj.state_dict()``; what it raises, as a StateDictError naming ``path`` (the error
+    itself its cause): a bare error from deep inside a model names no key."""
+    try:
+        return obj.state_dict()
+    except Exception as e:
+        raise StateDictError(
+            path, f"{_type_name(obj)}.state_dict() raised {type(e).__name__}: {e}"
+        ) from e
+
+
+def _is_sharded_tensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ShardedTensor (only once something imported the class)."""
+    module = sys.modules.get("torch.distributed._shard.sharded_tensor.api")
+    cls = getattr(module, "ShardedTensor", None)
+    return cls is not None and isinstance(t, cls)
 
 
 def _tensor_problem(t: torch.Tensor) -> str:
@@ -616,7 +646,7 @@ def _dry_run(obj: Any, value: Any, path: str) -> None:
     an optimizer's parameter groups and their sizes."""
     where = path or "<root>"
     if isinstance(obj, torch.nn.Module) and isinstance(value, Mapping):
-        own = obj.state_dict()
+        own = _state_dict(obj, path)
         missing = [k for k in own if k not in value]
         unexpected = [k for k in value if k not in own]
         if missing or unexpected:
