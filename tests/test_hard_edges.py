@@ -11,6 +11,11 @@ import subprocess
 import sys
 import textwrap
 
+import anyio
+import torch
+
+from aiockpt import AsyncCheckpointManager
+
 #: A child runs under a private /dev/shm of this size (a container's default is 64 MiB).
 SMALL_SHM = "16m"
 
@@ -176,3 +181,21 @@ FORMAT_AFTER_CLOSE_CHILD = """
 def test_formatting_a_failed_calls_locals_after_close_does_not_crash(tmp_path):
     out = run_child(FORMAT_AFTER_CLOSE_CHILD, str(tmp_path / "run"))
     assert "alive" in out
+
+
+def test_a_replaced_slab_is_unmapped_once_nothing_views_it(tmp_path):
+    """Slabs let go of their memory rather than unmap it (see Slab.close): a slab replaced by
+    a larger one, with no view of it left, is unmapped at once all the same."""
+
+    def mapped() -> list[str]:
+        with open("/proc/self/maps") as f:
+            return [line for line in f if "/aiockpt-" in line]
+
+    async def main() -> None:
+        async with AsyncCheckpointManager(str(tmp_path / "run")) as mgr:
+            for step in range(4):  # each state larger than the last: a new slab each time
+                await (await mgr.save(step, {"w": torch.ones((step + 1) << 18)}))
+                assert len(mapped()) == 1, mapped()
+        assert mapped() == []
+
+    anyio.run(main)
