@@ -161,7 +161,7 @@ def test_check_tree_accepts_what_flatten_builds():
         ({"L": {}}, "list body is not a list"),
         ({"U": "ab"}, "list body is not a list"),
         ({"V": [1]}, "value [1]: list is not a JSON value"),
-        ({"V": 10**400}, "this one has 401 digits"),
+        ({"V": 10**400}, "this one is about 10**400"),
         ({"V": float("nan")}, "nan is not a JSON number"),
         ({"V": "bad\udcff"}, "lone surrogate"),
         ({"n": ["uint64", 2**1024]}, "numpy scalar"),

@@ -85,8 +85,23 @@ def test_a_lone_surrogate_is_refused_naming_its_key(root, save, path):
         ({"state": {"w": torch.ones(3), "xs": [1, -HUGE]}}, "xs/1"),
         ({"metadata": {"seed": [HUGE]}}, "metadata/seed/0"),
         ({"metadata": {"deep": json.loads("[" * 70 + "]" * 70)}}, "metadata/deep"),
+        ({"metrics": {"loss": 10**5000}}, "metrics/loss"),
+        ({"state": {"w": torch.ones(3), "d": {10**5000: 1}}}, "d/<an int of 16610 bits>"),
+        ({"state": {"w": torch.ones(3), "v": -(10**5000)}}, "v"),
+        ({"metadata": {"big": 10**5000}}, "metadata/big"),
     ],
-    ids=["metric", "inf-tensor-metric", "value", "list-item", "metadata", "metadata-depth"],
+    ids=[
+        "metric",
+        "inf-tensor-metric",
+        "value",
+        "list-item",
+        "metadata",
+        "metadata-depth",
+        "metric-past-str",
+        "key-past-str",
+        "value-past-str",
+        "metadata-past-str",
+    ],
 )
 def test_what_the_reader_refuses_is_refused_by_save(root, save, path):
     if path is None:  # a non-finite float metric is stored as such: not refused

@@ -35,10 +35,11 @@ def int_problem(value: int) -> str | None:
     try:
         float(value)
     except OverflowError:
+        # Its size by its bits: str() of an int past 4300 digits raises.
         return (
             f"integers are kept up to about 1.8e308 in magnitude (what a float, and JSON "
-            f"readers that parse numbers as doubles, can hold); this one has "
-            f"{len(str(abs(value)))} digits"
+            f"readers that parse numbers as doubles, can hold); this one is about "
+            f"10**{int(abs(value).bit_length() * math.log10(2))}"
         )
     return None
 

@@ -540,7 +540,11 @@ def _check_key(key: Any, path: str) -> None:
     if why is None and isinstance(key, str) and "\x00" in key:
         why = "keys with NUL characters are refused"
     if why is not None:
-        raise UnsupportedValueError(_path(path, repr(key)), why)
+        try:
+            shown = repr(key)
+        except ValueError:  # an int past 4300 digits
+            shown = f"<an int of {key.bit_length()} bits>"
+        raise UnsupportedValueError(_path(path, shown), why)
 
 
 def _state_dict(obj: Any, path: str) -> Any:
