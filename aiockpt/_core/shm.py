@@ -31,7 +31,9 @@ class Segment:
 
     __slots__ = ("buf", "mm", "name", "size")
 
-    def __init__(self, name: str, size: int, *, create: bool, populate: bool = True) -> None:
+    def __init__(
+        self, name: str, size: int, *, create: bool, populate: bool = True, kind: str = "slab"
+    ) -> None:
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = _posixshmem.shm_open(name, flags, mode=0o600)
         try:
@@ -39,7 +41,7 @@ class Segment:
                 # At least one byte: an empty segment is still mapped (below), and mmap refuses
                 # a length past the end of the file.
                 os.ftruncate(fd, max(size, 1))
-                reserve(fd, max(size, 1), name)
+                reserve(fd, max(size, 1), kind)
             elif os.fstat(fd).st_size < size:
                 raise ValueError(f"shared memory {name} is smaller than {size} bytes")
             # mmap of length 0 is an error; an empty save still gets a one-byte segment.
@@ -62,7 +64,7 @@ class Segment:
 
     @classmethod
     def create(cls, size: int, kind: str = "slab", *, populate: bool = True) -> Segment:
-        return cls(new_name(kind), size, create=True, populate=populate)
+        return cls(new_name(kind), size, create=True, populate=populate, kind=kind)
 
     @classmethod
     def attach(cls, name: str, size: int) -> Segment:
@@ -81,7 +83,7 @@ class Segment:
         unlink(self.name)
 
 
-def reserve(fd: int, size: int, name: str) -> None:
+def reserve(fd: int, size: int, kind: str) -> None:
     """Allocate the pages of a new segment now, so that a /dev/shm too small for it is an
     error here rather than a SIGBUS at the first write to a page it cannot back (a tmpfs
     file is sparse: ftruncate promises nothing) or EFAULT in a read into it. The pages are
@@ -91,7 +93,7 @@ def reserve(fd: int, size: int, name: str) -> None:
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.ENOMEM):
             raise
-        raise StagingMemoryError(_short_of(size, name)) from e
+        raise StagingMemoryError(_short_of(size, kind)) from e
 
 
 def free_bytes() -> int | None:
@@ -103,7 +105,7 @@ def free_bytes() -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-def _short_of(size: int, name: str) -> str:
+def _short_of(size: int, kind: str) -> str:
     """What to say when a segment of ``size`` bytes does not fit in /dev/shm."""
     free = free_bytes()
     has = "an unknown amount" if free is None else f"{free} bytes ({free / 2**20:.1f} MiB)"
@@ -112,7 +114,7 @@ def _short_of(size: int, name: str) -> str:
         "(docker run --shm-size, a memory-backed emptyDir on Kubernetes)"
     )
     need = f"{size} bytes ({size / 2**20:.1f} MiB) of shared memory"
-    if "-load-" in name:  # the daemon's segment for the tensors load() returns
+    if kind == "load":  # the daemon's segment for the tensors load() returns
         return (
             f"load() needs {need} for the tensors it returns, and {room}; or load part of "
             "the checkpoint with keys=, or load(into=...) existing tensors, which reads "
