@@ -6,6 +6,7 @@ import errno
 import mmap
 import os
 import random
+import socket
 import subprocess
 import sys
 import textwrap
@@ -16,8 +17,15 @@ import fsspec
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
-from aiockpt.errors import StorageError
-from aiockpt.storage import FsspecStorage, LocalStorage, Storage, open_storage, register_storage
+from aiockpt.errors import CorruptCheckpointError, StorageError
+from aiockpt.storage import (
+    FsspecStorage,
+    LocalStorage,
+    Storage,
+    UnsafeFileError,
+    open_storage,
+    register_storage,
+)
 from aiockpt.storage import _registry as registry
 from aiockpt.storage.testing import StorageContract
 
@@ -363,3 +371,100 @@ def test_s3_entry_point_is_installed_and_lazy() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert out.stdout.split() == ["True", "True", "False", "False"]
+
+
+# ------------------------------------------------------------------- local: links and files
+
+
+@pytest.fixture
+def linked(tmp_path):
+    """A local root whose step directory ``step_2`` is a symbolic link to a directory of
+    another run (``other/step_2``, holding a manifest and a shard)."""
+    other = tmp_path / "other" / "step_2"
+    other.mkdir(parents=True)
+    (other / "manifest.json").write_bytes(b"{}")
+    (other / "shard.bin").write_bytes(b"theirs")
+    root = tmp_path / "root"
+    root.mkdir()
+    os.symlink(other, root / "step_2")
+    return LocalStorage(str(root)), other
+
+
+def test_local_delete_refuses_a_path_under_a_linked_directory(linked) -> None:
+    """Deleting through a symbolic link would delete another run's files: refused with ELOOP
+    naming the path, and nothing outside the root is touched."""
+    storage, other = linked
+    for recursive in (False, True):
+        with pytest.raises(StorageError) as info:
+            storage.delete("step_2/manifest.json", recursive=recursive)
+        assert info.value.errno == errno.ELOOP
+        assert "step_2/manifest.json" in str(info.value)
+        assert "symbolic link" in str(info.value)
+    assert sorted(p.name for p in other.iterdir()) == ["manifest.json", "shard.bin"]
+
+
+def test_local_recursive_delete_of_a_link_removes_the_link_alone(linked, tmp_path) -> None:
+    storage, other = linked
+    storage.delete("step_2", recursive=True)
+    assert not os.path.lexists(os.path.join(storage.root, "step_2"))
+    assert sorted(p.name for p in other.iterdir()) == ["manifest.json", "shard.bin"]
+    # a link inside a directory that is deleted is unlinked, never followed
+    os.makedirs(os.path.join(storage.root, "step_3"))
+    os.symlink(other, os.path.join(storage.root, "step_3", "inside"))
+    os.symlink(other / "shard.bin", os.path.join(storage.root, "step_3", "file"))
+    storage.delete("step_3", recursive=True)
+    assert not os.path.lexists(os.path.join(storage.root, "step_3"))
+    assert sorted(p.name for p in other.iterdir()) == ["manifest.json", "shard.bin"]
+
+
+def test_local_reads_refuse_links_and_what_is_not_a_regular_file(linked, tmp_path) -> None:
+    """size, read_range and readinto open regular files only, never through a link, and a
+    FIFO, a socket or a device fails at once (its open would block, or read forever)."""
+    storage, other = linked
+    root = storage.root
+    os.makedirs(os.path.join(root, "s"))
+    os.mkfifo(os.path.join(root, "s", "fifo"))
+    os.symlink("/dev/zero", os.path.join(root, "s", "zero"))
+    os.symlink(other / "shard.bin", os.path.join(root, "s", "outside"))
+    os.makedirs(os.path.join(root, "s", "dir"))
+    here = os.getcwd()
+    os.chdir(os.path.join(root, "s"))  # a socket's address is short: bind it by its name
+    try:
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.bind("sock")
+    finally:
+        os.chdir(here)
+    cases = {
+        "s/fifo": (errno.EINVAL, "a FIFO"),
+        "s/sock": (errno.EINVAL, "a socket"),
+        "s/zero": (errno.ELOOP, "symbolic link"),
+        "s/outside": (errno.ELOOP, "symbolic link"),
+        "s/dir": (errno.EISDIR, "a directory"),
+        "step_2/shard.bin": (errno.ELOOP, "symbolic link"),
+    }
+    for path, (code, words) in cases.items():
+        for call in (
+            lambda p=path: storage.size(p),
+            lambda p=path: storage.read_range(p, 0, 4),
+            lambda p=path: storage.readinto(p, 0, memoryview(bytearray(4))),
+        ):
+            with pytest.raises(UnsafeFileError) as info:
+                call()
+            err = info.value
+            assert err.errno == code, (path, err)
+            assert words in str(err), err
+            assert err.path == os.path.join(root, path)
+            assert isinstance(err, CorruptCheckpointError)  # what a load reports
+
+
+def test_local_writes_never_go_through_a_link(linked) -> None:
+    """A write into a linked directory, or onto a link, creates nothing elsewhere."""
+    storage, other = linked
+    with pytest.raises(StorageError) as info:
+        storage.write_file("step_2/new.bin", [memoryview(b"x")])
+    assert info.value.errno == errno.ELOOP
+    os.symlink(other / "elsewhere.bin", os.path.join(storage.root, "dangling"))
+    with pytest.raises(StorageError) as info:
+        storage.write_file("dangling", [memoryview(b"x")])
+    assert info.value.errno == errno.EEXIST
+    assert sorted(p.name for p in other.iterdir()) == ["manifest.json", "shard.bin"]

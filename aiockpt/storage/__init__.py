@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._base import Storage
+from ._base import Storage, UnsafeFileError
 from ._counting import CountingStorage
 from ._fsspec import FsspecStorage
 from ._local import LocalStorage
@@ -14,6 +14,7 @@ __all__ = [
     "FsspecStorage",
     "LocalStorage",
     "Storage",
+    "UnsafeFileError",
     "open_storage",
     "register_storage",
     "registered_protocols",

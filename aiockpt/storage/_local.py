@@ -201,6 +201,14 @@ class LocalStorage:
             except OSError as e:
                 if e.errno == errno_mod.ELOOP:
                     raise self._link_error(op, path, path) from None
+                # A socket cannot be opened at all (ENXIO), nor can a device without its
+                # driver: say what is there rather than the open's errno.
+                try:
+                    mode = os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode
+                except OSError:
+                    mode = stat.S_IFREG
+                if not stat.S_ISREG(mode):
+                    raise self._not_regular(op, path, mode) from None
                 raise self._error(op, path, e) from None
             try:
                 st = os.fstat(fd)
