@@ -1,12 +1,16 @@
 """Local filesystems through the os module: O_DIRECT shard writes, fsync, atomic rename.
 
-Nothing under the root is reached through a symbolic link. Every path is opened from a
-descriptor of the root, one directory at a time, each opened with ``O_NOFOLLOW``
-(:meth:`LocalStorage._parent`), so a link planted in the root (a step directory pointing into
-another run, a shard pointing at ``/dev/zero``) is refused rather than followed, whatever
-happens to the names meanwhile. Files are read only when they are regular files: they are
-opened ``O_NONBLOCK`` (opening a FIFO would otherwise wait for a writer forever) and checked
-with ``fstat`` before the first read. The root itself may be a link: it is the user's.
+Nothing under the root is reached through a symbolic link (the root itself may be one: it is
+the user's). Reads open every path from a descriptor of the root, one directory at a time,
+each opened with ``O_NOFOLLOW`` (:meth:`LocalStorage._parent`), so a link planted in the root
+(a step directory pointing into another run, a shard pointing at ``/dev/zero``) is refused
+rather than followed, whatever happens to the names meanwhile; and they read only regular
+files: opened ``O_NONBLOCK`` (opening a FIFO would otherwise wait for a writer forever) and
+checked with ``fstat`` before the first read. Writes and deletes check each directory under
+the root with ``lstat`` first (:meth:`LocalStorage._checked`) and never follow a link at the
+name itself (``O_NOFOLLOW``, ``O_EXCL``, ``unlink``). They work on paths, not descriptors, so
+that every change they make to the file system is one call on a path: the crash-point
+checker (tests/crash) records and replays exactly those.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import contextlib
 import ctypes
 import errno as errno_mod
 import os
+import shutil
 import stat
 import threading
 from collections.abc import Iterator, Sequence
@@ -90,34 +95,6 @@ def _is_link(name: str, dir_fd: int) -> bool:
         return False
 
 
-def _unlink_if_same(parent: int, name: str, st: os.stat_result) -> None:
-    """Unlink ``name`` in ``parent`` if it is still the file ``st`` (one this call created);
-    a file put there since is not ours to remove."""
-    with contextlib.suppress(OSError):
-        if os.path.samestat(os.stat(name, dir_fd=parent, follow_symlinks=False), st):
-            os.unlink(name, dir_fd=parent)
-
-
-def _remove_tree(parent: int, name: str) -> None:
-    """Remove the directory ``name`` in ``parent`` and everything under it, each directory
-    opened from its parent's descriptor with ``O_NOFOLLOW``: a symbolic link met on the way
-    is unlinked, never followed (what :func:`shutil.rmtree` does with ``dir_fd``, which
-    Python 3.10 lacks)."""
-    fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
-    try:
-        with os.scandir(fd) as entries:
-            names = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
-        for sub, is_dir in names:
-            if is_dir:
-                _remove_tree(fd, sub)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(sub, dir_fd=fd)
-    finally:
-        os.close(fd)
-    os.rmdir(name, dir_fd=parent)
-
-
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -150,6 +127,24 @@ class LocalStorage:
                 f"{full}: a path under the root cannot hold '..'", path=full, errno=errno_mod.EINVAL
             )
         return names
+
+    def _checked(self, op: str, path: str) -> str:
+        """The full path of ``path``, once no directory between the root and it is a
+        symbolic link (each is ``lstat``-ed; a missing one stops the check, and the call
+        then fails, or not, as it would): else an :class:`UnsafeFileError` (``ELOOP``)."""
+        names = self._names(path)
+        here = self.root
+        for i, name in enumerate(names[:-1]):
+            here = os.path.join(here, name)
+            try:
+                mode = os.lstat(here).st_mode
+            except FileNotFoundError:
+                break
+            except OSError as e:
+                raise self._error(op, path, e) from None
+            if stat.S_ISLNK(mode):
+                raise self._link_error(op, path, "/".join(names[: i + 1]))
+        return self._full(path)
 
     @contextlib.contextmanager
     def _parent(self, op: str, path: str) -> Iterator[tuple[int, str]]:
@@ -236,51 +231,48 @@ class LocalStorage:
     # ----------------------------------------------------------------- writes
 
     def write_file(self, path: str, buffers: Sequence[memoryview]) -> None:
-        """Create ``path`` (``O_CREAT | O_EXCL``: never a file that is there, nor through a
-        symbolic link) holding the concatenation of ``buffers``, and make it durable. Onto
-        anything already at ``path`` it fails with ``EEXIST`` and touches nothing; a write
-        that fails later removes the file it created, and only that one."""
-        with self._parent("create", path) as (parent, name):
-            try:
-                fd = os.open(
-                    name,
-                    os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _O_CLOEXEC,
-                    0o644,
-                    dir_fd=parent,
-                )
-            except OSError as e:
-                raise self._error("create", path, e) from None
+        """Create ``path`` (``O_CREAT | O_EXCL | O_NOFOLLOW``: never a file that is there, nor
+        through a symbolic link) holding the concatenation of ``buffers``, and make it
+        durable. Onto anything already at ``path`` it fails with ``EEXIST`` and touches
+        nothing; a write that fails later removes the file it created, and only that one."""
+        full = self._checked("create", path)
+        try:
+            fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            raise self._error("create", path, e) from None
+        direct: list[int] = []  # the O_DIRECT descriptor, opened at the first aligned piece
+        try:
             mine = os.fstat(fd)
-            direct: list[int] = []  # the O_DIRECT descriptor, opened at the first aligned piece
-            try:
-                offset = 0
-                for buf in buffers:
-                    buf = memoryview(buf).cast("B")
-                    self._write_buffer(fd, (parent, name, mine), buf, offset, direct)
-                    offset += len(buf)
-                # One fsync for the file, whichever descriptor wrote its bytes: fsync is of the
-                # file (its data and size), not of a descriptor.
-                os.fsync(fd)
-                # The file's name too: else a crash may keep a manifest linked after this write
-                # and lose the shard's directory entry (found by tests/crash, POSIX model).
-                os.fsync(parent)
-            except OSError as e:
-                _unlink_if_same(parent, name, mine)
-                if isinstance(e, StorageError):
-                    raise
+            offset = 0
+            for buf in buffers:
+                buf = memoryview(buf).cast("B")
+                self._write_buffer(fd, full, mine, buf, offset, direct)
+                offset += len(buf)
+            # One fsync for the file, whichever descriptor wrote its bytes: fsync is of the
+            # file (its data and size), not of a descriptor.
+            os.fsync(fd)
+            # The file's name too: else a crash may keep a manifest linked after this write
+            # and lose the shard's directory entry (found by tests/crash, POSIX model).
+            _fsync_dir(os.path.dirname(full))
+        except BaseException as e:
+            # Remove the file this call created, if the name still holds it (not one put
+            # there since: that is not ours to remove).
+            with contextlib.suppress(OSError):
+                if os.path.samestat(os.lstat(full), os.fstat(fd)):
+                    os.unlink(full)
+            if isinstance(e, OSError) and not isinstance(e, StorageError):
                 raise self._error("write", path, e) from None
-            except BaseException:
-                _unlink_if_same(parent, name, mine)
-                raise
-            finally:
-                for dfd in direct:
-                    os.close(dfd)
-                os.close(fd)
+            raise
+        finally:
+            for dfd in direct:
+                os.close(dfd)
+            os.close(fd)
 
     def _write_buffer(
         self,
         fd: int,
-        file: tuple[int, str, os.stat_result],
+        full: str,
+        mine: os.stat_result,
         buf: memoryview,
         offset: int,
         direct: list[int],
@@ -291,39 +283,27 @@ class LocalStorage:
         if addr is None or addr % _DIRECT_ALIGN or offset % _DIRECT_ALIGN:
             body = 0
         if body and not direct:
-            dfd = self._reopen_direct(file, os.O_WRONLY)
-            if dfd is None:
+            try:
+                dfd = os.open(full, os.O_WRONLY | _O_DIRECT | os.O_NOFOLLOW)
+            except OSError as e:
+                if e.errno != errno_mod.EINVAL:  # EINVAL: this filesystem has no O_DIRECT
+                    raise
+                self.direct_io = False
                 body = 0
             else:
                 direct.append(dfd)
+                # The name opened again must still be the file this write created.
+                if not os.path.samestat(os.fstat(dfd), mine):
+                    raise OSError(errno_mod.ESTALE, "the file was replaced while written")
         for start in range(0, body, _CHUNK):
             _write_all(direct[0], buf[start : min(start + _CHUNK, body)], offset + start)
         _write_all(fd, buf[body:], offset + body)
 
-    def _reopen_direct(self, file: tuple[int, str, os.stat_result], flags: int) -> int | None:
-        """A second descriptor, with O_DIRECT, of the file ``file`` (its directory's
-        descriptor, its name, its fstat) has open; None where the filesystem has no O_DIRECT.
-        The name is opened again without following a link, and must still be that file."""
-        parent, name, st = file
-        try:
-            dfd = os.open(name, flags | _O_DIRECT | os.O_NOFOLLOW | _O_CLOEXEC, dir_fd=parent)
-        except OSError as e:
-            if e.errno != errno_mod.EINVAL:  # EINVAL: this filesystem has no O_DIRECT
-                raise
-            self.direct_io = False
-            return None
-        if not os.path.samestat(os.fstat(dfd), st):
-            os.close(dfd)
-            raise OSError(errno_mod.ESTALE, "the file was replaced while it was open")
-        return dfd
-
     def put_atomic(self, path: str, data: bytes) -> None:
-        full = self._full(path)
+        full = self._checked("write", path)
         tmp = full + ".tmp"
         try:
-            # O_NOFOLLOW: a link planted at the temporary name is not written through.
-            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | _O_CLOEXEC
-            with open(os.open(tmp, flags, 0o644), "wb") as f:
+            with open(tmp, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
@@ -338,7 +318,7 @@ class LocalStorage:
         """Create ``path`` holding ``data``, atomically and durably, unless something is there:
         False then. The file is written and synced under a temporary name and linked into
         place, and link(2) never replaces an existing name."""
-        full = self._full(path)
+        full = self._checked("create", path)
         tmp = f"{full}.{os.getpid()}.new"  # unique per process; calls in it take turns
         with _CREATING:
             try:
@@ -372,29 +352,20 @@ class LocalStorage:
         """Remove the file ``path``, or with ``recursive`` the directory and all under it,
         durably. Never through a symbolic link: a link among the directories between the
         root and ``path`` is an :class:`UnsafeFileError` (``ELOOP``) and nothing is removed;
-        ``path`` itself being a link removes the link alone, never what it points to (the
-        recursive removal opens each directory from its parent's descriptor and unlinks the
-        links it meets)."""
+        ``path`` itself being a link removes the link alone, never what it points to, and a
+        directory's removal unlinks the links it finds inside (:func:`shutil.rmtree` walks
+        it by descriptors and never follows one)."""
+        full = self._checked("delete", path)
         try:
-            with self._parent("delete", path) as (parent, name):
-                if name == ".":
-                    raise OSError(errno_mod.EINVAL, "the root itself is not deleted")
-                try:
-                    st = os.stat(name, dir_fd=parent, follow_symlinks=False)
-                except FileNotFoundError:
-                    return
-                if recursive and stat.S_ISDIR(st.st_mode):
-                    _remove_tree(parent, name)
-                else:
-                    os.unlink(name, dir_fd=parent)
-                # Durable before the caller goes on: deleting a step unlinks its manifest
-                # first, and a crash must never keep the manifest while losing a shard's unlink.
-                os.fsync(parent)
+            if recursive and stat.S_ISDIR(os.lstat(full).st_mode):
+                shutil.rmtree(full)
+            else:
+                os.unlink(full)
+            # Durable before the caller goes on: deleting a step unlinks its manifest first,
+            # and a crash must never keep the manifest while losing a shard's unlink.
+            _fsync_dir(os.path.dirname(full))
         except FileNotFoundError:
             pass
-        except StorageError as e:
-            if e.errno != errno_mod.ENOENT:
-                raise
         except OSError as e:
             raise self._error("delete", path, e) from None
 
