@@ -375,9 +375,9 @@ class AzureStorage:
         except GaveUp as e:
             if _status(e.cause) not in (409, 412):
                 raise
-            if e.attempts == 1:
-                return False
-        # A retried Put Blob: its first try may have landed, and then the blob is ours.
+        # The Put Blob may have been sent twice (retried here, or resent by aiohttp, which
+        # sends an idempotent request again when a kept-alive connection turns out closed):
+        # its first try may have landed, and then the blob is ours.
         return bool(await self._read(key, 0, len(data) + 1, exact=False) == data)
 
     def makedirs(self, path: str) -> None:
