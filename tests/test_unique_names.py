@@ -4,21 +4,31 @@ manifest refers to, and a committed checkpoint stays loadable until retention de
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
 import torch
 from _support.roots import manifest_of, step_numbers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from aiockpt import AsyncCheckpointManager, EveryNSteps, LatestN
 from aiockpt._core import format as fmt
-from aiockpt.errors import CorruptCheckpointError, LeaseLostError, StorageError
+from aiockpt.errors import (
+    CorruptCheckpointError,
+    DaemonDiedError,
+    LeaseLostError,
+    StorageError,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -228,3 +238,109 @@ def test_version_4_names_and_block_sources_are_checked():
             b[2] = same_dir
     with pytest.raises(CorruptCheckpointError, match="not another shard file"):
         parse(m)
+
+
+#: One operation of a run: ("save", step, content), ("kill",), or ("full", where, step,
+#: content) for a save on a disk that fills up at its write or at its commit.
+OPS = st.one_of(
+    st.tuples(st.just("save"), st.integers(0, 15), st.integers(0, 3)),
+    st.tuples(st.just("kill")),
+    st.tuples(
+        st.just("full"),
+        st.sampled_from(["write_flag", "flag"]),
+        st.integers(0, 15),
+        st.integers(0, 3),
+    ),
+)
+
+
+def content(step: int, variant: int) -> dict[str, torch.Tensor]:
+    """A state whose 1 MiB tensor takes one of four values (so later saves refer to earlier
+    steps' files) and whose small tensor is the step's own."""
+    return {
+        "big": torch.full((MiB // 4,), float(variant)),
+        "small": torch.full((8,), float(step * 10 + variant)),
+    }
+
+
+@settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    ops=st.lists(OPS, min_size=4, max_size=14),
+    keep=st.integers(1, 3),
+    every=st.integers(2, 6),
+)
+def test_every_kept_checkpoint_loads_whatever_the_run_did(
+    tmp_path_factory, test_storages, ops, keep, every
+):
+    """Random runs of saves (step numbers reused below kept ones: rewinds), retention, disks
+    that fill up at a write or a commit, and daemons killed: after every step of the run,
+    every checkpoint retention kept loads bit-exact, and `verify` is clean at the end."""
+    tmp = tmp_path_factory.mktemp("run")
+    root, write_flag, flag = str(tmp / "run"), str(tmp / "full-write"), str(tmp / "full-commit")
+    options = {"write_flag": write_flag, "flag": flag}
+    saved: dict[int, dict[str, torch.Tensor]] = {}
+
+    async def run() -> None:
+        async with AsyncCheckpointManager(
+            f"fulldisk://{root}",
+            storage_options=options,
+            retention=LatestN(keep) | EveryNSteps(every),
+        ) as mgr:
+            killed = False  # the daemon was killed since the last call reached it
+
+            async def call(fn: Any, *args: Any, **kwargs: Any) -> Any:
+                """One call; the first after a kill may hear of the death (and respawns)."""
+                nonlocal killed
+                try:
+                    return await fn(*args, **kwargs)
+                except DaemonDiedError:
+                    if not killed:
+                        raise
+                    killed = False
+                    return await fn(*args, **kwargs)
+                finally:
+                    killed = False
+
+            for op in ops:
+                if op[0] == "kill":
+                    if mgr.daemon_pid is not None:
+                        os.kill(mgr.daemon_pid, signal.SIGKILL)
+                        killed = True
+                    continue
+                step, variant = op[-2:]
+                full = op[1] if op[0] == "full" else None
+                if step in saved:
+                    continue  # committed: a save of it is refused (StepExistsError)
+                state = content(step, variant)
+                if full is not None:
+                    Path(options[full]).touch()
+
+                async def save(step: int = step, state: dict = state) -> None:
+                    await (await mgr.save(step, state))
+
+                try:
+                    await call(save)
+                except StorageError:
+                    assert full is not None  # the full disk, nothing else
+                else:
+                    assert full is None
+                    saved[step] = state
+                finally:
+                    for f in (write_flag, flag):
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(f)
+                kept = await call(mgr.steps)
+                assert set(kept) <= set(saved)
+                for gone in set(saved) - set(kept):
+                    del saved[gone]
+                for step in kept:
+                    assert_loads(await call(mgr.load, step), saved[step])
+
+    anyio.run(run)
+    if saved:
+        result = verify(root)
+        assert result.returncode == 0, result.stdout + result.stderr
