@@ -468,3 +468,18 @@ def test_local_writes_never_go_through_a_link(linked) -> None:
         storage.write_file("dangling", [memoryview(b"x")])
     assert info.value.errno == errno.EEXIST
     assert sorted(p.name for p in other.iterdir()) == ["manifest.json", "shard.bin"]
+
+
+def test_a_local_root_that_is_itself_a_link_is_used_as_given(tmp_path) -> None:
+    """The root is the user's to name, through a link or not: only what lies under it must
+    not be one."""
+    real = tmp_path / "real"
+    real.mkdir()
+    os.symlink(real, tmp_path / "root")
+    storage = LocalStorage(str(tmp_path / "root"))
+    storage.makedirs("step_1")
+    storage.write_file("step_1/f.bin", [memoryview(b"through the root's link")])
+    assert storage.size("step_1/f.bin") == 23
+    assert storage.read_range("step_1/f.bin", 0, 7) == b"through"
+    storage.delete("step_1", recursive=True)
+    assert list(real.iterdir()) == []

@@ -1,10 +1,12 @@
 """Local filesystems through the os module: O_DIRECT shard writes, fsync, atomic rename.
 
 Nothing under the root is reached through a symbolic link (the root itself may be one: it is
-the user's). Reads open every path from a descriptor of the root, one directory at a time,
-each opened with ``O_NOFOLLOW`` (:meth:`LocalStorage._parent`), so a link planted in the root
-(a step directory pointing into another run, a shard pointing at ``/dev/zero``) is refused
-rather than followed, whatever happens to the names meanwhile; and they read only regular
+the user's). Reads open a file by its full name with ``O_NOFOLLOW`` and keep it only when
+the kernel's name of what was opened is that name (:meth:`LocalStorage._open_direct_path`);
+else they open it from a descriptor of the root, one directory at a time, each opened with
+``O_NOFOLLOW`` (:meth:`LocalStorage._parent`). So a link planted in the root (a step
+directory pointing into another run, a shard pointing at ``/dev/zero``) is refused rather
+than followed, whatever happens to the names meanwhile; and reads take only regular
 files: opened ``O_NONBLOCK`` (opening a FIFO would otherwise wait for a writer forever) and
 checked with ``fstat`` before the first read. Writes and deletes check each directory under
 the root with ``lstat`` first (:meth:`LocalStorage._checked`) and never follow a link at the
@@ -95,6 +97,18 @@ def _is_link(name: str, dir_fd: int) -> bool:
         return False
 
 
+class _Fd:
+    """A descriptor to close at the end of a ``with contextlib.closing(...)`` block."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -114,6 +128,8 @@ class LocalStorage:
         self.url = url or self.root
         self.direct_io = direct_io and bool(_O_DIRECT)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # see _read_direct
+        #: The root with its links resolved: the kernel's name of a file opened under it.
+        self._real_root = os.path.realpath(self.root)
 
     def _full(self, path: str) -> str:
         return os.path.join(self.root, path) if path else self.root
@@ -184,34 +200,63 @@ class LocalStorage:
             errno=errno_mod.ELOOP,
         )
 
-    @contextlib.contextmanager
-    def _open_regular(self, op: str, path: str) -> Iterator[tuple[int, os.stat_result]]:
-        """A read-only descriptor of the regular file ``path`` and its fstat, opened without
-        following a symbolic link and without blocking; anything else (a FIFO, a socket, a
-        device, a directory, a link) is an :class:`UnsafeFileError` naming it, refused
-        before any read."""
-        with self._parent(op, path) as (parent, name):
+    def _open_regular(self, op: str, path: str) -> tuple[int, os.stat_result]:
+        """A read-only descriptor of the regular file ``path`` (the caller closes it) and its
+        fstat, opened without following a symbolic link and without blocking; anything else
+        (a FIFO, a socket, a device, a directory, a link) is an :class:`UnsafeFileError`
+        naming it, refused before any read."""
+        fd = self._open_direct_path(path)
+        if fd is None:  # not plainly the file under the root: open it step by step, or say why
+            with self._parent(op, path) as (parent, name):
+                fd = self._open_in(op, path, parent, name)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise self._not_regular(op, path, st.st_mode)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, st
+
+    def _open_direct_path(self, path: str) -> int | None:
+        """``path`` opened by its full name (one system call where :meth:`_parent` makes one
+        per directory: a load makes a read per run of tensors), when that reached the file
+        the name says: no link at its last component (``O_NOFOLLOW``) nor among the
+        directories, which the kernel's own name of what was opened, read from
+        ``/proc/self/fd``, shows (a link resolved on the way gives another name). None
+        otherwise, or when the open failed, for :meth:`_parent` to open it again or to say
+        what is in the way."""
+        names = self._names(path)
+        try:
+            fd = os.open(self._full(path), _READ_FLAGS)
+        except OSError:
+            return None
+        try:
+            opened = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            opened = None
+        if opened != os.path.join(self._real_root, *names):
+            os.close(fd)
+            return None
+        return fd
+
+    def _open_in(self, op: str, path: str, parent: int, name: str) -> int:
+        """``name`` in the directory ``parent`` opened to read, as :meth:`_open_regular`
+        does."""
+        try:
+            return os.open(name, _READ_FLAGS, dir_fd=parent)
+        except OSError as e:
+            if e.errno == errno_mod.ELOOP:
+                raise self._link_error(op, path, path) from None
+            # A socket cannot be opened at all (ENXIO), nor can a device without its
+            # driver: say what is there rather than the open's errno.
             try:
-                fd = os.open(name, _READ_FLAGS, dir_fd=parent)
-            except OSError as e:
-                if e.errno == errno_mod.ELOOP:
-                    raise self._link_error(op, path, path) from None
-                # A socket cannot be opened at all (ENXIO), nor can a device without its
-                # driver: say what is there rather than the open's errno.
-                try:
-                    mode = os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode
-                except OSError:
-                    mode = stat.S_IFREG
-                if not stat.S_ISREG(mode):
-                    raise self._not_regular(op, path, mode) from None
-                raise self._error(op, path, e) from None
-            try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode):
-                    raise self._not_regular(op, path, st.st_mode)
-                yield fd, st
-            finally:
-                os.close(fd)
+                mode = os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode
+            except OSError:
+                mode = stat.S_IFREG
+            if not stat.S_ISREG(mode):
+                raise self._not_regular(op, path, mode) from None
+            raise self._error(op, path, e) from None
 
     def _not_regular(self, op: str, path: str, mode: int) -> UnsafeFileError:
         full = self._full(path)
@@ -381,7 +426,8 @@ class LocalStorage:
         aligned in the file and in memory goes past the page cache (O_DIRECT), in pieces read
         :data:`_READERS` at a time; the rest is read through the page cache."""
         full = self._full(path)
-        with self._open_regular("open", path) as (fd, st), memoryview(out).cast("B") as view:
+        fd, st = self._open_regular("open", path)
+        with contextlib.closing(_Fd(fd)), memoryview(out).cast("B") as view:
             try:
                 body = self._direct_body(view, offset)
                 if body:
@@ -454,8 +500,9 @@ class LocalStorage:
     def size(self, path: str) -> int:
         """The size of the regular file ``path``: what :meth:`readinto` would open (never a
         link, a FIFO or a device; see :class:`UnsafeFileError`)."""
-        with self._open_regular("stat", path) as (_, st):
-            return st.st_size
+        fd, st = self._open_regular("stat", path)
+        os.close(fd)
+        return st.st_size
 
     def exists(self, path: str) -> bool:
         return os.path.exists(self._full(path))
