@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -27,6 +28,7 @@ from aiockpt.errors import CheckpointError, StateDictError, UnsupportedValueErro
 
 BAD = "bad\udcff"  # what os.fsdecode makes of the name b"bad\xff"
 HUGE = 10**400  # an int no float holds: a metric of it reads as "not a number"
+HUGER = 10**5000  # an int past what JSON text holds here (4300 digits)
 
 
 def save_refused(root: str, **save: Any) -> UnsupportedValueError | StateDictError:
@@ -81,9 +83,9 @@ def test_a_lone_surrogate_is_refused_naming_its_key(root, save, path):
     [
         ({"metrics": {"loss": HUGE}}, "metrics/loss"),
         ({"metrics": {"loss": torch.tensor(2**70, dtype=torch.float64) * 1e300}}, None),
-        ({"state": {"w": torch.ones(3), "opt": {"count": HUGE}}}, "opt/count"),
-        ({"state": {"w": torch.ones(3), "xs": [1, -HUGE]}}, "xs/1"),
-        ({"metadata": {"seed": [HUGE]}}, "metadata/seed/0"),
+        ({"state": {"w": torch.ones(3), "opt": {"count": HUGER}}}, "opt/count"),
+        ({"state": {"w": torch.ones(3), "xs": [1, -HUGER]}}, "xs/1"),
+        ({"metadata": {"seed": [HUGER]}}, "metadata/seed/0"),
         ({"metadata": {"deep": json.loads("[" * 70 + "]" * 70)}}, "metadata/deep"),
         ({"metrics": {"loss": 10**5000}}, "metrics/loss"),
         ({"state": {"w": torch.ones(3), "d": {10**5000: 1}}}, "d/<an int of 16610 bits>"),
@@ -173,8 +175,17 @@ def test_a_sharded_tensor_is_refused_by_name():
 # --------------------------------------------------------------------------- one definition
 
 _text = st.text(max_size=6) | st.sampled_from([BAD, "\ud800x", "ok"])
-_ints = st.integers() | st.sampled_from(
-    [HUGE, -HUGE, 2**1023, 2**1024, -(2**1024), 2**1024 - 1, 2**128 + 1, 10**308, 10**309]
+
+
+def _past_json(sign: int) -> int:
+    """The smallest magnitude past what JSON text holds here, with ``sign``."""
+    return sign * 10**values.MAX_INT_DIGITS
+
+
+_ints = (
+    st.integers()
+    | st.sampled_from([HUGE, -HUGE, 2**1023, 2**1024, -(2**1024), 10**308, 10**309])
+    | st.sampled_from([1, -1]).map(_past_json)
 )
 _floats = st.floats(allow_nan=True, allow_infinity=True)
 _scalars = st.none() | st.booleans() | _ints | _floats | _text
@@ -235,7 +246,7 @@ def test_the_reader_keeps_to_the_same_limits():
 
 
 def test_the_tree_reader_refuses_what_save_refuses():
-    for body in (HUGE, float("nan"), BAD):
+    for body in (HUGER, float("nan"), BAD):
         with pytest.raises(CheckpointError, match="malformed tree"):
             check_tree({"D": [["k", {"V": body}]]}, set(), path="m")
     with pytest.raises(CheckpointError, match="malformed tree"):
@@ -248,8 +259,11 @@ def test_the_tree_reader_refuses_what_save_refuses():
 
 
 def test_values_rules():
-    assert values.int_problem(2**1023) is None
-    assert values.int_problem(2**1024) is not None
+    assert values.int_problem(2**1024) is None  # a tree value or metadata: JSON holds it
+    assert values.int_problem(10**4300 - 1) is None
+    assert values.int_problem(-(10**4300)) is not None
+    assert values.metric_problem(2**1023) is None
+    assert values.metric_problem(2**1024) is not None  # a metric: compared as a float
     assert values.text_problem("héllo") is None
     assert "surrogate" in (values.text_problem(BAD) or "")
     assert values.json_problem({"a": [1, 2.5, None, True, "x"]}) is None
@@ -259,3 +273,20 @@ def test_values_rules():
     assert values.metric_problem("nan") is None
     assert values.metric_problem(float("nan")) is not None
     assert os.fsdecode(b"bad\xff") == BAD
+
+
+def test_an_int_json_holds_round_trips_as_a_value_and_in_metadata(root):
+    """10**400 is no metric (a float cannot hold it) but a value and metadata keep it exactly,
+    as every earlier aiockpt wrote and read it."""
+
+    async def main() -> dict:
+        async with AsyncCheckpointManager(root) as mgr:
+            state = {"w": torch.ones(3), "count": HUGE, "xs": [1, -HUGE]}
+            await (await mgr.save(1, state, metadata={"seed": [HUGE]}))
+            return await mgr.load(1)
+
+    out = anyio.run(main)
+    assert out["count"] == HUGE
+    assert out["xs"] == [1, -HUGE]
+    manifest = json.loads((Path(root) / fmt.step_dirname(1) / fmt.MANIFEST).read_text())
+    assert manifest["metadata"] == {"seed": [HUGE]}

@@ -17,14 +17,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CorruptCheckpointError
+from . import values
 from .blocks import Block, in_order, is_block_source, parse_blocks
 from .dtable import BLOCK_BYTES, DTensorRecord, parse_dtensors
 from .dtypes import DTYPE_SIZES as DTYPE_SIZES
 from .gc import no_gc
-from .tree import MAX_TREE_DEPTH as MAX_TREE_DEPTH
-from .tree import NON_FINITE, V2_TAGS
+from .tree import V2_TAGS
 from .tree import bounded_repr as _short
 from .tree import check_tree as check_tree
+from .values import MAX_METADATA_DEPTH as MAX_METADATA_DEPTH
+from .values import MAX_TREE_DEPTH as MAX_TREE_DEPTH
 
 FORMAT = "aiockpt"
 #: The version a checkpoint without distributed tensors is written as: exactly version 1, so
@@ -53,9 +55,6 @@ MAX_NDIM = 64
 #: The name of the padding tensor that keeps the first DTensor chunk of a shard aligned when
 #: the plain tensors before it end off its item size: a NUL never appears in a key path.
 PAD_NAME = "\x00pad"
-#: Deepest nesting of JSON in a manifest's metadata: it is pickled to the trainer on load, so
-#: it is bounded like a state tree (see tree.MAX_TREE_DEPTH).
-MAX_METADATA_DEPTH = 64
 
 # re.ASCII: without it \d also matches other scripts' digits, and int() accepts them, so a
 # name like "step_" + twelve Arabic-Indic digits would pass as a step directory.
@@ -462,8 +461,10 @@ def _manifest_head(
     if not isinstance(metrics, dict):
         raise bad("metrics and metadata must be objects")
     for k, v in metrics.items():
-        if not _is_metric(v):
-            raise bad(f"metric {k!r} is not a number")
+        # The rules save() applies (values.py): what one refuses, the other never wrote.
+        why = values.text_problem(k) or values.metric_problem(v)
+        if why is not None:
+            raise bad(f"metric {_short(k)}: {why}")
     return m_step, float(created), metrics
 
 
@@ -582,9 +583,10 @@ def parse_manifest(
     metadata = raw.get("metadata", {})
     if not isinstance(metadata, dict):
         raise bad("metrics and metadata must be objects")
-    if _json_depth(metadata) > MAX_METADATA_DEPTH:
+    found = values.json_problem(metadata)
+    if found is not None:
         # It is pickled to the trainer on load; too deep a value would fail there instead.
-        raise bad(f"metadata nested deeper than {MAX_METADATA_DEPTH} levels")
+        raise bad(f"metadata {found[0] or '<root>'}: {found[1]}")
     return Manifest(
         m_step, created, world, shards, tensors, trees, metrics, metadata, dtensors, version, block
     )
@@ -640,31 +642,3 @@ def encode_tree(tree: Any, fragments: dict[int, str]) -> str:
     if "\\u0000" in text:
         text = _FRAGMENT_MARK.sub(lambda m: fragments[int(m.group(1))], text)
     return text
-
-
-def _is_metric(v: Any) -> bool:
-    """What ``save(metrics=...)`` writes: a float-convertible number, or a non-finite marker."""
-    if isinstance(v, str):
-        return v in NON_FINITE
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return False
-    try:
-        float(v)  # retention compares metrics as floats; a 400-digit int would overflow there
-    except OverflowError:
-        return False
-    return True
-
-
-def _json_depth(value: Any) -> int:
-    """Nesting depth of a JSON value, iteratively (a recursive walk could itself overflow)."""
-    deepest, stack = 0, [(value, 0)]
-    while stack:
-        node, depth = stack.pop()
-        if isinstance(node, dict):
-            node = list(node.values())
-        if isinstance(node, list):
-            deepest = max(deepest, depth + 1)
-            if deepest > MAX_METADATA_DEPTH:
-                break
-            stack.extend((child, depth + 1) for child in node)
-    return deepest

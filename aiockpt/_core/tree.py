@@ -367,14 +367,19 @@ def _check_v2_leaf(
 
 
 def _scalar_value(value: Any) -> bool:
-    """A NPSCALAR's value: a JSON number or bool, or a non-finite float's string."""
+    """A NPSCALAR's value: a JSON number or bool (an int of 64 bits, the widest numpy scalar
+    aiockpt saves), or a non-finite float's string."""
     if isinstance(value, str):
         return value in NON_FINITE
-    return isinstance(value, (bool, int, float)) and scalar_problem(value) is None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return -(2**63) <= value < 2**64
+    return isinstance(value, (bool, float)) and scalar_problem(value) is None
 
 
 def bounded_repr(value: Any) -> str:
     """A bounded repr of an untrusted value for an error message (never the whole of it)."""
+    if isinstance(value, int) and value.bit_length() > 14_000:
+        return f"<an int of {value.bit_length()} bits>"  # repr() of it raises past 4300 digits
     return _REPR.repr(value)
 
 

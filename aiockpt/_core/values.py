@@ -28,18 +28,34 @@ MAX_METADATA_DEPTH: Final = 64
 NON_FINITE: Final = ("nan", "inf", "-inf")
 
 
+#: The most decimal digits of an int that JSON text carries here: Python refuses to write or
+#: parse a longer one (``sys.get_int_max_str_digits()``, 4300 by default), so a manifest
+#: holding one could not be read. Every earlier aiockpt read ints up to this size back.
+MAX_INT_DIGITS: Final = 4300
+_INT_LIMIT: Final = 10**MAX_INT_DIGITS
+
+
 def int_problem(value: int) -> str | None:
-    """Why int ``value`` cannot be kept: it is kept when a float can hold its magnitude (up to
-    about 1.8e308), as JSON readers that parse numbers as doubles (most of them) and the
-    metrics' comparisons (as floats) need. 128-bit RNG states and the like fit."""
+    """Why int ``value`` cannot be kept in a state tree or the metadata: it has more than
+    MAX_INT_DIGITS decimal digits. (A 128-bit RNG state, or 10**400, is kept exactly.)"""
+    if -_INT_LIMIT < value < _INT_LIMIT:
+        return None
+    # Its size by its bits: str() of an int past the limit raises.
+    return (
+        f"integers are kept up to {MAX_INT_DIGITS} decimal digits (what JSON text holds "
+        f"here); this one is about 10**{int(abs(value).bit_length() * math.log10(2))}"
+    )
+
+
+def metric_int_problem(value: int) -> str | None:
+    """Why int ``value`` cannot be a metric: retention compares metrics as floats, so a
+    metric is kept when a float can hold its magnitude (up to about 1.8e308)."""
     try:
         float(value)
     except OverflowError:
-        # Its size by its bits: str() of an int past 4300 digits raises.
         return (
-            f"integers are kept up to about 1.8e308 in magnitude (what a float, and JSON "
-            f"readers that parse numbers as doubles, can hold); this one is about "
-            f"10**{int(abs(value).bit_length() * math.log10(2))}"
+            "a metric is compared as a float, which holds up to about 1.8e308; this one is "
+            f"about 10**{int(abs(value).bit_length() * math.log10(2))}"
         )
     return None
 
@@ -82,14 +98,14 @@ def key_problem(key: Any) -> str | None:
 
 
 def metric_problem(value: Any) -> str | None:
-    """Why ``value`` cannot be a metric as the manifest stores it: a kept int, a finite float,
-    or one of NON_FINITE for a float that is not finite."""
+    """Why ``value`` cannot be a metric as the manifest stores it: an int a float can hold, a
+    finite float, or one of NON_FINITE for a float that is not finite."""
     if isinstance(value, str):
         return None if value in NON_FINITE else "a metric is a number"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return f"a metric is a number, not {type(value).__name__}"
     if isinstance(value, int):
-        return int_problem(value)
+        return metric_int_problem(value)
     return None if math.isfinite(value) else f"{value} is stored as {NON_FINITE}"
 
 
