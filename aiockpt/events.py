@@ -65,6 +65,8 @@ EVENT_NAMES = frozenset(
         "lease.acquired",
         "lease.takeover",
         "lease.unguarded",
+        "lease.lapsed",
+        "lease.regained",
     }
 )
 
@@ -78,10 +80,11 @@ _INFO_EVENTS = frozenset(
         "daemon.exit",
         "shm.swept",
         "lease.acquired",
+        "lease.regained",
     }
 )
 #: Events worth a WARNING: something the user should look at, though nothing failed.
-_WARNING_EVENTS = frozenset({"daemon.restart", "lease.takeover", "lease.unguarded"})
+_WARNING_EVENTS = frozenset({"daemon.restart", "lease.takeover", "lease.unguarded", "lease.lapsed"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +115,8 @@ class Event:
     error: dict[str, str] | None = None
     #: On ``lease.*``: the generation of the root's lease this manager holds.
     generation: int | None = None
-    #: Words for people: on ``lease.takeover``, whose lease was taken over.
+    #: Words for people: on ``lease.takeover``, whose lease was taken over and why; on
+    #: ``lease.lapsed``, what failed the renewals.
     detail: str | None = None
 
     def to_dict(self) -> dict[str, Any]:

@@ -40,12 +40,13 @@ def current(root: str):
 class Writer:
     """A manager in another process (tests/_lease_worker.py), driven line by line."""
 
-    def __init__(self, root: str, ttl: float = TTL) -> None:
+    def __init__(self, root: str, ttl: float = TTL, env: dict[str, str] | None = None) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, str(TESTS / "_lease_worker.py"), root, str(ttl)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
+            env=None if env is None else {**os.environ, **env},
         )
         self.ready = self.read()
         assert self.ready.get("ready"), self.ready
@@ -83,10 +84,13 @@ async def test_a_second_writer_is_refused_naming_the_first(tmp_path):
         with anyio.fail_after(30), pytest.raises(RootLockedError) as info:
             async with AsyncCheckpointManager(root):
                 pass
-        assert f"pid {first.daemon_pid}" in str(info.value)
+        # The training process is named (alive, on this host: refused), and its daemon.
+        assert f"pid {os.getpid()}" in str(info.value)
+        assert f"daemon pid {first.daemon_pid}" in str(info.value)
         assert "takeover=True" in str(info.value)
         assert info.value.holder is not None
         assert info.value.holder["generation"] == 1
+        assert info.value.holder["trainer_pid"] == os.getpid()
         await (await first.save(2, state(2)))  # the refusal changed nothing for the holder
         assert await first.steps() == [1, 2]
     # Closed: the lease is released, and the next writer takes the root at once.
@@ -160,9 +164,11 @@ def test_a_paused_writer_resumed_after_a_takeover_commits_and_deletes_nothing(tm
 
 
 def test_a_killed_writers_root_is_free_after_its_ttl(tmp_path):
+    """On another host nothing proves the writer dead: its root is free once its TTL ran out.
+    (On the same host it is free at once: see test_restart.py.)"""
     root = str(tmp_path / "run")
     ttl = 4 * TTL  # the refused open below must come before it expires, on a busy machine too
-    first = Writer(root, ttl)
+    first = Writer(root, ttl, env={"AIOCKPT_HOST_ID": "another-host"})
     assert first.ask("save 1") == {"saved": 1}
     first.signal(signal.SIGKILL)
     killed = time.monotonic()

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import socket
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -43,10 +45,18 @@ def lease_path(generation: int) -> str:
 @dataclass(frozen=True, slots=True)
 class LeaseRecord:
     """What a lease file says: who holds the root, since and until when, and its generation
-    (one more than the lease it replaced)."""
+    (one more than the lease it replaced).
+
+    Who: the host (``host``; ``boot_id`` and ``pid_ns`` say which boot of it and which pid
+    namespace the pids are in), the training process (``trainer_pid``, ``trainer_start``: its
+    start time in clock ticks since boot, which tells it from a later process given the same
+    pid), its daemon (``pid``, ``daemon_start``), and the job's identity and attempt where the
+    environment has one. Files written before these were recorded lack them: empty, 0, None.
+    """
 
     owner: str
     host: str
+    #: The daemon's pid (the only pid older files record).
     pid: int
     since: float
     expires: float
@@ -54,18 +64,51 @@ class LeaseRecord:
     ttl: float
     #: Set when the holder closed its manager: the root is free at once.
     released: bool = False
+    trainer_pid: int = 0
+    trainer_start: int = 0
+    daemon_start: int = 0
+    boot_id: str = ""
+    pid_ns: str = ""
+    job: str | None = None
+    attempt: int | None = None
 
     def live(self, now: float) -> bool:
         """Whether the lease still holds the root at wall-clock time ``now``."""
         return not self.released and now < self.expires
 
+    def who(self) -> str:
+        """The holder in words: the training process (and its daemon) on its host, its job."""
+        if self.trainer_pid:
+            text = f"{self.host} pid {self.trainer_pid} (daemon pid {self.pid})"
+        else:
+            text = f"{self.host} pid {self.pid}"
+        if self.job is not None:
+            text += f", job {self.job}"
+            if self.attempt is not None:
+                text += f" attempt {self.attempt}"
+        return text
+
     def describe(self) -> str:
-        """The holder, for an error message: host, pid, since, expiry."""
+        """The holder, for an error message: who, since, expiry."""
         return (
-            f"{self.host} pid {self.pid} (generation {self.generation}), holding it since "
+            f"{self.who()} (generation {self.generation}), holding it since "
             f"{_when(self.since)}, "
             + ("released" if self.released else f"expiring {_when(self.expires)}")
         )
+
+    def holder_info(self) -> dict[str, object]:
+        """The holder as a dict (``RootLockedError.holder``)."""
+        return {
+            "host": self.host,
+            "pid": self.trainer_pid or self.pid,
+            "trainer_pid": self.trainer_pid or None,
+            "daemon_pid": self.pid,
+            "job": self.job,
+            "attempt": self.attempt,
+            "since": self.since,
+            "expires": self.expires,
+            "generation": self.generation,
+        }
 
     def encode(self) -> bytes:
         """The lease file's bytes."""
@@ -103,7 +146,151 @@ def parse_lease(data: bytes, generation: int, now: float) -> LeaseRecord:
     released = raw.get("released", False)
     if type(released) is not bool:
         raise ValueError(f"bad released {_short(released)}")
-    return LeaseRecord(owner, host, pid, since, expires, generation, ttl, released)
+    # Who holds it: optional, since files of older versions lack these.
+    counts = {k: raw.get(k, 0) for k in ("trainer_pid", "trainer_start", "daemon_start")}
+    if not all(type(v) is int and v >= 0 for v in counts.values()):
+        raise ValueError(f"bad process ids {_short(counts)}")
+    names = {k: raw.get(k, "") for k in ("boot_id", "pid_ns")}
+    if not all(isinstance(v, str) and len(v) < 256 for v in names.values()):
+        raise ValueError(f"bad host identity {_short(names)}")
+    job, attempt = raw.get("job"), raw.get("attempt")
+    if not (job is None or (isinstance(job, str) and len(job) < 512)):
+        raise ValueError(f"bad job {_short(job)}")
+    if not (attempt is None or (type(attempt) is int and attempt >= 0)):
+        raise ValueError(f"bad attempt {_short(attempt)}")
+    return LeaseRecord(
+        owner, host, pid, since, expires, generation, ttl, released,
+        **counts, **names, job=job, attempt=attempt,
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- who holds it
+
+
+@dataclass(frozen=True, slots=True)
+class Claimant:
+    """Where a writer runs and which job it is: what decides whether a holder of the lease is
+    provably gone (see :func:`supersedes`)."""
+
+    host: str
+    boot_id: str
+    pid_ns: str
+    job: str | None = None
+    attempt: int | None = None
+
+    @classmethod
+    def here(cls, job: str | None = None, attempt: int | None = None) -> Claimant:
+        """This process's host, boot and pid namespace, claiming for ``job``."""
+        return cls(
+            host_id(), _read_text("/proc/sys/kernel/random/boot_id"), _pid_ns(), job, attempt
+        )
+
+
+def host_id() -> str:
+    """The host's name in leases: ``AIOCKPT_HOST_ID`` when set, else the host name."""
+    return os.environ.get("AIOCKPT_HOST_ID") or socket.gethostname()
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""  # not Linux: no pid is ever proven gone
+
+
+def _pid_ns() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def process_start(pid: int) -> int | None:
+    """Process ``pid``'s start time in clock ticks since boot; None when no process of that
+    pid runs (none, or a zombie: killed and not yet reaped) or it cannot be told."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()  # the name, in parentheses, may hold spaces
+    if len(fields) < 20 or not fields[19].isdigit():
+        return None
+    if fields[0] in ("Z", "X", "x"):
+        # Killed. Its main thread is a zombie as soon as it exits, but the process is not
+        # gone (not a single syscall of it left running) until every other thread is too.
+        try:
+            return None if len(os.listdir(f"/proc/{pid}/task")) <= 1 else int(fields[19])
+        except OSError:
+            return None
+    return int(fields[19])
+
+
+def _gone(pid: int, start: int) -> bool:
+    """Whether the process that was ``pid``, started at ``start``, no longer runs."""
+    now = process_start(pid)
+    return now is None or (start != 0 and now != start)
+
+
+#: What :func:`supersedes` decides about a live holder: taken at once, waited for a moment
+#: (its training process is gone, its daemon still finishes staged saves), or refused.
+GONE, DRAINING, LIVE = "gone", "draining", "live"
+
+
+def supersedes(me: Claimant, rec: LeaseRecord) -> tuple[str, str]:
+    """Whether ``me`` may take ``rec``'s live lease without ``takeover=True``, and why.
+
+    Only when its holder is provably gone: on this very host (same host id, boot and pid
+    namespace) its training process and daemon no longer run, or their pids now belong to
+    processes started at other times; or, on any host, it is an earlier attempt of the job
+    ``me`` is a later attempt of (a restarted torchrun or Slurm job).
+    """
+    if (
+        me.job is not None
+        and me.attempt is not None
+        and rec.job == me.job
+        and rec.attempt is not None
+        and rec.attempt < me.attempt
+    ):
+        return GONE, f"job {me.job} attempt {rec.attempt} was superseded by attempt {me.attempt}"
+    same_host = (
+        me.boot_id != ""
+        and me.pid_ns != ""
+        and (rec.host, rec.boot_id, rec.pid_ns) == (me.host, me.boot_id, me.pid_ns)
+    )
+    if not same_host or rec.trainer_pid == 0:
+        return LIVE, ""
+    if not _gone(rec.trainer_pid, rec.trainer_start):
+        return LIVE, ""
+    why = f"its training process (pid {rec.trainer_pid} on this host) is gone"
+    if not _gone(rec.pid, rec.daemon_start):
+        return DRAINING, f"{why}; its daemon (pid {rec.pid}) is still finishing its saves"
+    return GONE, why
+
+
+def job_identity(explicit: str | None = None) -> tuple[str | None, int | None]:
+    """The job a writer belongs to and its attempt, where the environment says: an explicit
+    ``job_id``, torchrun's run id and restart count, or Slurm's job id and restart count (a
+    requeued job keeps its id). None where unknown."""
+    env = os.environ
+    te_run = env.get("TORCHELASTIC_RUN_ID")
+    te_run = te_run if te_run and te_run != "none" else None  # torchrun's default: no id
+    te_count = _count(env.get("TORCHELASTIC_RESTART_COUNT"))
+    slurm_count = _count(env.get("SLURM_RESTART_COUNT", "0"))
+    if explicit is not None:
+        return explicit, te_count if te_count is not None else _count(
+            env.get("SLURM_RESTART_COUNT")
+        )
+    if te_run is not None:
+        return te_run, te_count
+    if env.get("SLURM_JOB_ID"):
+        return env["SLURM_JOB_ID"], slurm_count
+    return None, None
+
+
+def _count(text: str | None) -> int | None:
+    return int(text) if text is not None and text.isascii() and text.isdigit() else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -94,6 +94,10 @@ class LeaseSpec:
     ttl: float
     renew_every: float
     takeover: bool = False
+    #: The job the manager belongs to and its attempt (see _core.lease.job_identity): a later
+    #: attempt of the same job takes the lease of an earlier one at once.
+    job: str | None = None
+    attempt: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -79,7 +79,17 @@ class Daemon:
         #: Checksums, next to the writer's writes and the reader's reads.
         self.pool = ThreadPoolExecutor(2, thread_name_prefix="aiockpt-crc")
         #: The root's lease, held by the daemon of rank 0 of a writing manager.
-        self.lease = LeaseKeeper(self.storage, cfg.lease, os.getpid()) if cfg.lease else None
+        self.lease = (
+            LeaseKeeper(
+                self.storage,
+                cfg.lease,
+                os.getpid(),
+                trainer_pid=cfg.trainer_pid,
+                emit=lambda name, **f: self.outbox.event(name, None, None, where="daemon", **f),
+            )
+            if cfg.lease
+            else None
+        )
         fence = self.lease.check if self.lease is not None else no_fence
         self.coord: Coordinator | None = None
         self.store_ops: PipeStoreOps | None = None
@@ -258,6 +268,7 @@ def main(argv: list[str]) -> int:
     pipe = PipeEnd(Connection(int(argv[1])))
     with contextlib.suppress(AttributeError, OSError):
         os.nice(10)  # the trainer comes first; measured: trainer CPU share up when contended
+    daemon = None
     try:
         hello = pipe.recv()
         check_protocol(getattr(hello, "protocol", None), "trainer")
@@ -268,6 +279,14 @@ def main(argv: list[str]) -> int:
     except BaseException as e:
         with contextlib.suppress(Exception):
             pipe.send(Ready(os.getpid(), error=remote_error(e)))
+        if daemon is not None:  # it may hold the lease (partials failed to go, say)
+            daemon.close()
         return 1
-    pipe.send(Ready(os.getpid(), lease=grant))
+    try:
+        pipe.send(Ready(os.getpid(), lease=grant))
+    except (OSError, EOFError, ValueError):
+        # The trainer is gone before it heard we were ready (killed, or its open() was
+        # cancelled): nobody will ever stop us, so leave nothing held, lease nor slabs.
+        daemon.close(trainer_gone=True)
+        return 1
     return daemon.serve()

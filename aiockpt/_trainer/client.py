@@ -201,10 +201,12 @@ class SubprocessClient:
             for c in inherited:
                 c.close()  # else EOF never arrives when the daemon dies
         chan = Channel(PipeEnd(parent))
+        early: list[EventMsg] = []
         try:
             chan.send(hello)
             with anyio.fail_after(start_timeout):
-                ready = await chan.recv()
+                while isinstance(ready := await chan.recv(), EventMsg):
+                    early.append(ready)  # delivered once the client exists
         except TimeoutError:
             proc.kill()
             await anyio.to_thread.run_sync(proc.wait)
@@ -218,6 +220,16 @@ class SubprocessClient:
             raise DaemonStartError(
                 f"the daemon exited with code {code} before it was ready"
             ) from None
+        except BaseException:
+            # Cancelled while the daemon starts (an open() under a deadline): it may have
+            # taken the root's lease. Closing our end tells it we are gone; it then releases
+            # what it took and exits, which we wait for, so the root is free when we return.
+            with anyio.CancelScope(shield=True):
+                chan.close()
+                if await anyio.to_thread.run_sync(_wait_process, proc, start_timeout) is None:
+                    proc.kill()
+                    await anyio.to_thread.run_sync(proc.wait)
+            raise
         refusal = _refusal(ready)
         if refusal is not None:
             await anyio.to_thread.run_sync(_wait_process, proc, 10.0)
@@ -228,12 +240,15 @@ class SubprocessClient:
             raise refusal
         client = cls(proc, chan, callbacks)
         client._lease = ready.lease if isinstance(ready, Ready) else None
+        for msg in early:
+            callbacks.event(msg)
         return client
 
     @property
     def alive(self) -> bool:
-        """False once the reader has seen the pipe close."""
-        return self._alive
+        """False once the daemon is gone: its pipe closed, or the process exited (seen
+        before the reader runs, while the caller's event loop was busy elsewhere)."""
+        return self._alive and self.proc.poll() is None
 
     @property
     def pid(self) -> int:

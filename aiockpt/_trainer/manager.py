@@ -20,7 +20,7 @@ from typing import Any
 
 import anyio
 
-from .._core.lease import MAX_TTL
+from .._core.lease import MAX_TTL, job_identity
 from .._core.protocol import (
     CheckpointInfo,
     Hello,
@@ -81,6 +81,7 @@ class AsyncCheckpointManager:
         lease_ttl: float = DEFAULT_LEASE_TTL,
         dedup: bool = True,
         skip_unchanged: bool = False,
+        job_id: str | None = None,
     ) -> None:
         self.url = checks.root_url(root)
         self.storage_options = dict(storage_options or {})
@@ -101,6 +102,7 @@ class AsyncCheckpointManager:
                 "a read_only manager takes no lease and deletes nothing: takeover and "
                 "retention do not apply"
             )
+        self.job_id = checks_job_id(job_id)  # (see lease_spec)
         #: This manager's id in the root's lease: its respawned daemons resume the lease.
         self._owner = uuid.uuid4().hex
         self.process_group = process_group
@@ -180,9 +182,7 @@ class AsyncCheckpointManager:
                 dedup=self.dedup,
                 collect_partials=self._group is None and not self.read_only,
                 dist_timeout=self.dist_timeout if self.world_size > 1 else None,
-                lease=None
-                if self.read_only or self.rank != 0
-                else LeaseSpec(self._owner, self.lease_ttl, self.lease_ttl / 3, self.takeover),
+                lease=lease_spec(self),
             )
             await self._daemons.start(self._tg, self._group, hello)
             lease_events(self.events, self._daemons.lease, self.url)
@@ -356,6 +356,24 @@ class AsyncCheckpointManager:
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, not {type(flag).__name__}")
         return await self._loader.load(step, into, strict, check_keys(keys), atomic)
+
+
+def checks_job_id(job_id: str | None) -> str | None:
+    """``job_id`` checked: None or a non-empty str of under 256 characters."""
+    if job_id is not None and not (isinstance(job_id, str) and 0 < len(job_id) < 256):
+        raise ValueError(f"job_id must be a non-empty str under 256 chars, not {job_id!r}")
+    return job_id
+
+
+def lease_spec(mgr: AsyncCheckpointManager) -> LeaseSpec | None:
+    """How ``mgr`` holds its root's lease (None: it takes none, being read-only or a rank
+    other than 0): renewed every third of its TTL, for its ``job_id`` or the environment's
+    job (torchrun, Slurm), read as it is at open (see docs/reliability.md#restarting-a-job)."""
+    if mgr.read_only or mgr.rank != 0:
+        return None
+    job, attempt = job_identity(mgr.job_id)
+    ttl = mgr.lease_ttl
+    return LeaseSpec(mgr._owner, ttl, ttl / 3, mgr.takeover, job=job, attempt=attempt)
 
 
 def lease_events(events: EventDispatcher, grant: LeaseGrant | None, url: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
@@ -26,6 +27,15 @@ from .staging import SlabPool
 
 #: Starts a daemon from its Hello and connects to it, delivering what it sends to callbacks.
 Connect = Callable[[Hello, DaemonCallbacks], Awaitable[DaemonClient]]
+
+
+class _Life:
+    """One daemon's life, as the supervisor sees it: ``over`` once its death was handled."""
+
+    __slots__ = ("over",)
+
+    def __init__(self) -> None:
+        self.over = False
 
 
 class Supervisor:
@@ -63,6 +73,7 @@ class Supervisor:
         self._group: Group | None = None
         #: The daemon started last; it may have died since.
         self.current: DaemonClient | None = None
+        self._life: _Life | None = None
 
     async def start(self, tg: anyio.abc.TaskGroup, group: Group | None, hello: Hello) -> None:
         """Start the first daemon with ``hello`` (later ones get it too, but never collect
@@ -116,6 +127,14 @@ class Supervisor:
         d = self.current
         if d is not None and d.alive:
             return d
+        if d is not None and self._life is not None and not self._life.over:
+            # Dead before its reader noticed (the loop was busy elsewhere): its saves fail
+            # now, before the next daemon gets any, so that none of the next one's do.
+            err = DaemonDiedError(
+                f"the checkpoint daemon (pid {d.pid}) died with exit code {d.exit_code}",
+                exit_code=d.exit_code,
+            )
+            await self._gone(self._life, err, False)
         async with self._lock:
             d = self.current
             if d is None or not d.alive:
@@ -140,14 +159,15 @@ class Supervisor:
 
     async def _spawn(self, hello: Hello) -> DaemonClient:
         assert self._tg is not None, "start() comes first"
+        life = _Life()
         callbacks = DaemonCallbacks(
             slab_free=self._pool.release,
             save_done=self._ledger.save_done,
             event=self._relay,
-            gone=self._gone,
+            gone=functools.partial(self._gone, life),
         )
         d = await self._connect(hello, callbacks)
-        self.current = d
+        self.current, self._life = d, life
         self._mirror.new_daemon()
         self._tg.start_soon(d.serve)
         self._emit("daemon.spawn", where="daemon")
@@ -156,7 +176,11 @@ class Supervisor:
     def _relay(self, msg: EventMsg) -> None:
         self._emit(msg.name, uuid=msg.uuid, step=msg.step, **msg.fields)
 
-    async def _gone(self, err: DaemonDiedError, expected: bool) -> None:
+    async def _gone(self, life: _Life, err: DaemonDiedError, expected: bool) -> None:
+        """A daemon's death: once, whether its reader or :meth:`live` saw it first."""
+        if life.over:
+            return
+        life.over = True
         self._emit("daemon.exit", where="daemon")
         if expected and not self._ledger.pending:
             return

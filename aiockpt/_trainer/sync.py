@@ -8,22 +8,78 @@ training continues, exactly as with the async manager.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
+import threading
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from typing import Any
 
-from anyio.from_thread import BlockingPortal, start_blocking_portal
+import anyio
+from anyio.from_thread import BlockingPortal
 
 from .._core.protocol import CheckpointInfo
 from ..errors import ManagerClosedError
-from ..events import EventHandler
+from ..events import EventHandler, logger
 from ..retention import RetentionPolicy
 from .ledger import SaveHandle
 from .manager import DEFAULT_LEASE_TTL, AsyncCheckpointManager
 
 __all__ = ["CheckpointManager", "SyncSaveHandle"]
+
+#: Seconds a manager left open waits at interpreter exit for its saves in flight to commit
+#: (``close_timeout`` when set); what is still pending then is left to the daemon.
+EXIT_TIMEOUT = 5.0
+
+
+class _LoopThread:
+    """An event loop in a daemon thread, serving a blocking portal.
+
+    A daemon thread never holds up the interpreter's exit, and nothing here calls into the
+    loop from a finalizer: anyio's ``start_blocking_portal`` stops its loop when its context
+    manager is finalized, which for a manager never closed happens at interpreter teardown,
+    once daemon threads can no longer run, and so waited forever.
+    """
+
+    def __init__(self) -> None:
+        ready: Future[BlockingPortal] = Future()
+
+        async def serve() -> None:
+            async with BlockingPortal() as portal:
+                ready.set_result(portal)
+                await portal.sleep_until_stopped()
+
+        def run() -> None:
+            try:
+                anyio.run(serve, backend="asyncio")
+            except BaseException as e:
+                if not ready.done():
+                    ready.set_exception(e)
+
+        self._thread = threading.Thread(target=run, name="aiockpt-manager", daemon=True)
+        self._thread.start()
+        self.portal = ready.result()
+
+    def stop(self, *, cancel: bool = False) -> None:
+        """End the loop (cancelling what still runs in it with ``cancel``) and its thread."""
+        with contextlib.suppress(RuntimeError):  # stopped already
+            self.portal.call(self.portal.stop, cancel)
+        self._thread.join()
+
+
+#: Sync managers open now, closed at interpreter exit if their owner did not.
+_OPEN: set[CheckpointManager] = set()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Close every manager left open, within a bounded time each. (``atexit`` handlers run
+    while the managers' loop threads still do; later, during teardown, they no longer run.)"""
+    for mgr in list(_OPEN):
+        with contextlib.suppress(Exception):
+            mgr._close_at_exit()
 
 
 class SyncSaveHandle:
@@ -87,6 +143,7 @@ class CheckpointManager:
         lease_ttl: float = DEFAULT_LEASE_TTL,
         dedup: bool = True,
         skip_unchanged: bool = False,
+        job_id: str | None = None,
     ) -> None:
         self._options: dict[str, Any] = {
             "storage_options": storage_options,
@@ -103,12 +160,13 @@ class CheckpointManager:
             "lease_ttl": lease_ttl,
             "dedup": dedup,
             "skip_unchanged": skip_unchanged,
+            "job_id": job_id,
         }
         self._root = root
         # Built here too, so bad arguments fail at once, as with the async manager; the one
         # that runs is built on the manager's loop when it opens.
         self._async = AsyncCheckpointManager(root, **self._options)
-        self._loop: AbstractContextManager[BlockingPortal] | None = None
+        self._loop: _LoopThread | None = None
         self._portal: BlockingPortal | None = None
         self._context: AbstractContextManager[AsyncCheckpointManager] | None = None
         self._state = "new"
@@ -127,19 +185,20 @@ class CheckpointManager:
         if self._state != "new":
             raise ManagerClosedError(f"the manager is {self._state}; a manager opens once")
         self._state = "opening"
-        self._loop = start_blocking_portal(backend="asyncio")
-        self._portal = portal = self._loop.__enter__()
+        self._loop = _LoopThread()
+        self._portal = portal = self._loop.portal
         try:
             self._async = portal.call(self._build)
             # One task enters and exits the manager (its task group must), whatever task
             # each later call runs in.
             self._context = portal.wrap_async_context_manager(self._async)
             self._context.__enter__()
-        except BaseException as e:
+        except BaseException:
             self._state = "closed"
-            self._loop.__exit__(type(e), e, e.__traceback__)
+            self._loop.stop(cancel=True)
             raise
         self._state = "open"
+        _OPEN.add(self)
 
     async def _build(self) -> AsyncCheckpointManager:
         return AsyncCheckpointManager(self._root, **self._options)
@@ -150,12 +209,35 @@ class CheckpointManager:
             self._state = "closed"
             return
         self._state = "closed"
+        _OPEN.discard(self)
         assert self._context is not None
         assert self._loop is not None
         try:
             self._context.__exit__(None, None, None)
         finally:
-            self._loop.__exit__(None, None, None)
+            self._loop.stop()
+
+    def _close_at_exit(self) -> None:
+        """At interpreter exit, for a manager nobody closed: wait a bounded time for the saves
+        in flight, then close; or, if some are still pending, warn and leave them to the
+        daemon, which finishes what was staged once this process is gone."""
+        if self._state != "open" or self._portal is None:
+            return
+        timeout = self._options["close_timeout"] or EXIT_TIMEOUT
+        left = self._portal.call(_settle, self._async, timeout)
+        if not left:
+            self.close()
+            return
+        _OPEN.discard(self)
+        self._state = "closed"
+        logger.warning(
+            "the CheckpointManager of %s was never closed; at exit, the saves of steps %s had "
+            "not committed after %.1f s and are left to its daemon (they may still commit). "
+            "Close the manager, or use `with`, to wait for them",
+            self.url,
+            left,
+            timeout,
+        )
 
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         if self._state != "open" or self._portal is None:
@@ -232,3 +314,10 @@ class CheckpointManager:
         return self._call(
             self._async.load, step, into=into, strict=strict, keys=keys, atomic=atomic
         )
+
+
+async def _settle(mgr: AsyncCheckpointManager, timeout: float) -> list[int]:
+    """Wait up to ``timeout`` s for ``mgr``'s saves in flight; the steps still pending."""
+    with anyio.move_on_after(timeout):
+        await mgr._ledger.settle()
+    return sorted(h.step for h in mgr._ledger.pending.values())

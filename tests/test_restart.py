@@ -1,0 +1,341 @@
+"""A job restarted gets its root back at once when its previous holder is provably gone; a
+lease whose renewals failed heals once the storage answers; nothing is left held by a dead
+process; a daemon's death costs at most the saves in flight; exit never hangs."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+from test_lease import Writer, current, state, write_lease
+
+from aiockpt import AsyncCheckpointManager, CheckpointManager
+from aiockpt._core.catalog import Catalog
+from aiockpt.errors import LeaseLostError, RootLockedError
+from aiockpt.storage import open_storage
+
+pytestmark = pytest.mark.anyio
+
+
+def start_ticks(pid: int) -> int:
+    """A process's start time, in clock ticks since boot (field 22 of /proc/PID/stat)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rpartition(")")[2].split()[19])
+
+
+def this_host() -> dict:
+    """What a lease written on this host, in this pid namespace, records about where."""
+    return {
+        "host": os.environ.get("AIOCKPT_HOST_ID") or socket.gethostname(),
+        "boot_id": Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+        "pid_ns": os.readlink("/proc/self/ns/pid"),
+    }
+
+
+def lease_of(pid: int, start: int, **more: object) -> bytes:
+    """A live lease (a minute left) held by process ``pid`` started at ``start`` on this host."""
+    now = time.time()
+    record = {
+        "owner": "an earlier run",
+        "pid": pid,
+        "daemon_pid": pid,
+        "trainer_pid": pid,
+        "trainer_start": start,
+        "daemon_start": start,
+        "since": now - 5,
+        "expires": now + 60,
+        "ttl": 60.0,
+        "generation": 1,
+        "released": False,
+        **this_host(),
+        **more,
+    }
+    return json.dumps(record).encode()
+
+
+def segments_of(*pids: int) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") for p in pids if n.startswith(f"aiockpt-{p}-")]
+
+
+def test_a_job_killed_whole_gets_its_root_back_at_once(tmp_path):
+    root = str(tmp_path / "run")
+    first = Writer(root, ttl=60.0)  # a TTL no restart would wait out
+    trainer, daemon = first.proc.pid, first.ready["daemon"]
+    assert first.ask("save 1") == {"saved": 1}
+    assert first.ask("save 2") == {"saved": 2}
+    first.signal(signal.SIGKILL)  # the whole job: trainer and daemon
+    first.proc.wait(30)
+    first.close()
+
+    async def reopen() -> tuple[float, list, list[int], torch.Tensor]:
+        events: list = []
+        t0 = time.monotonic()
+        async with AsyncCheckpointManager(root, event_handlers=[events.append]) as mgr:
+            opened = time.monotonic() - t0
+            return opened, events, await mgr.steps(), (await mgr.load())["w"]
+
+    opened, events, steps, w = anyio.run(reopen)
+    assert opened < 1.0, opened
+    assert steps == [2]  # the worker keeps LatestN(1)
+    assert torch.equal(w, state(2)["w"])
+    taken = [e for e in events if e.name == "lease.takeover"]
+    assert len(taken) == 1
+    assert f"pid {trainer}" in taken[0].detail
+    assert "gone" in taken[0].detail
+    assert segments_of(trainer, daemon) == []
+
+
+async def test_a_holder_alive_on_this_host_is_refused(tmp_path):
+    root = str(tmp_path / "run")
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        write_lease(root, lease_of(live.pid, start_ticks(live.pid)))
+        with anyio.fail_after(30), pytest.raises(RootLockedError) as info:
+            async with AsyncCheckpointManager(root):
+                pass
+        assert f"pid {live.pid}" in str(info.value)
+        assert current(root).generation == 1
+    finally:
+        live.kill()
+        live.wait()
+
+
+@pytest.mark.parametrize("how", ["pid reused", "pid gone", "zombie"])
+async def test_a_stale_lease_of_a_dead_process_on_this_host_is_taken(tmp_path, how):
+    root = str(tmp_path / "run")
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = start_ticks(other.pid)
+        if how == "pid reused":  # the pid now belongs to a live process started later
+            start -= 100
+        elif how == "pid gone":
+            other.kill()
+            other.wait()
+        else:  # killed, not reaped yet: the pid exists, the process does not run
+            other.kill()
+            while Path(f"/proc/{other.pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
+                time.sleep(0.01)
+        write_lease(root, lease_of(other.pid, start))
+        events: list = []
+        with anyio.fail_after(30):
+            async with AsyncCheckpointManager(root, event_handlers=[events.append]) as mgr:
+                await (await mgr.save(1, state(1)))
+        taken = [e for e in events if e.name == "lease.takeover"]
+        assert len(taken) == 1
+        assert f"pid {other.pid}" in taken[0].detail
+        assert current(root).generation == 2
+    finally:
+        other.kill()
+        other.wait()
+
+
+async def test_a_lease_from_another_boot_or_an_older_version_waits_for_its_ttl(tmp_path):
+    root = str(tmp_path / "run")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    for i, data in enumerate(
+        [
+            lease_of(gone.pid, 1, boot_id="an-earlier-boot", generation=1),
+            # An older writer's file: no boot id, no training process; still parsed.
+            json.dumps(
+                {
+                    "owner": "old",
+                    "host": this_host()["host"],
+                    "pid": gone.pid,
+                    "since": time.time(),
+                    "expires": time.time() + 60,
+                    "ttl": 60.0,
+                    "generation": 2,
+                }
+            ).encode(),
+        ],
+        start=1,
+    ):
+        write_lease(root, data, generation=i)
+        with anyio.fail_after(30), pytest.raises(RootLockedError, match=f"pid {gone.pid}"):
+            async with AsyncCheckpointManager(root):
+                pass
+
+
+def test_an_earlier_attempt_of_the_same_job_on_another_host_is_taken_over(tmp_path, monkeypatch):
+    root = str(tmp_path / "run")
+    job = {"TORCHELASTIC_RUN_ID": "job-17", "TORCHELASTIC_RESTART_COUNT": "0"}
+    first = Writer(root, ttl=60.0, env={"AIOCKPT_HOST_ID": "node-a", **job})
+    try:
+        assert first.ask("save 1") == {"saved": 1}
+        monkeypatch.setenv("AIOCKPT_HOST_ID", "node-b")
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-17")
+
+        async def open_root() -> list:
+            events: list = []
+            async with AsyncCheckpointManager(root, event_handlers=[events.append]) as mgr:
+                await (await mgr.save(2, state(2)))
+            return events
+
+        # The same attempt on another host is another rank or a mistake, not a restart; so
+        # is another job.
+        for run, attempt in (("job-17", "0"), ("job-18", "1")):
+            monkeypatch.setenv("TORCHELASTIC_RUN_ID", run)
+            monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
+            with pytest.raises(RootLockedError, match="job job-17 attempt 0"):
+                anyio.run(open_root)
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-17")
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+        events = anyio.run(open_root)
+        taken = [e for e in events if e.name == "lease.takeover"]
+        assert len(taken) == 1, taken
+        assert "attempt 0" in taken[0].detail
+        answer = first.ask("save 3")
+        assert answer["error"] == "LeaseLostError", answer
+        assert Catalog(open_storage(root)).committed_steps() == [1, 2]
+        assert current(root).record.job == "job-17"
+    finally:
+        first.close()
+
+
+async def test_a_lease_paused_past_its_ttl_is_regained_when_nobody_took_it(tmp_path):
+    root = str(tmp_path / "run")
+    events: list = []
+    ttl = 1.5
+    async with AsyncCheckpointManager(root, lease_ttl=ttl, event_handlers=[events.append]) as mgr:
+        await (await mgr.save(1, state(1)))
+        daemon = mgr.daemon_pid
+        assert daemon is not None
+        os.kill(daemon, signal.SIGSTOP)  # no renewals: a paused process, a frozen VM
+        try:
+            await anyio.sleep(ttl * 1.2)
+        finally:
+            os.kill(daemon, signal.SIGCONT)
+        with anyio.fail_after(30):
+            await (await mgr.save(2, state(2)))
+            await (await mgr.save(3, state(3)))
+        assert await mgr.steps() == [1, 2, 3]
+    names = [e.name for e in events]
+    assert "lease.lapsed" in names
+    assert "lease.regained" in names
+    assert names.index("lease.lapsed") < names.index("lease.regained")
+
+
+async def test_saves_fail_clearly_while_the_lease_cannot_be_renewed_then_commit(tmp_path):
+    root = str(tmp_path / "run")
+    events: list = []
+    ttl = 1.5
+    async with AsyncCheckpointManager(root, lease_ttl=ttl, event_handlers=[events.append]) as mgr:
+        await (await mgr.save(1, state(1)))
+        lease_dir, away = Path(root, "_lease"), Path(root, "_lease.away")
+        lease_dir.rename(away)  # every renewal fails: the storage lost the directory
+        try:
+            await anyio.sleep(ttl)
+            with anyio.fail_after(30), pytest.raises(LeaseLostError) as info:
+                await (await mgr.save(2, state(2)))
+            assert "could not be renewed" in str(info.value)
+            assert "_lease" in str(info.value)  # the storage's own error, naming the file
+        finally:
+            away.rename(lease_dir)
+        with anyio.fail_after(30):
+            await (await mgr.save(3, state(3)))
+        assert await mgr.steps() == [1, 3]
+    assert [e.name for e in events if e.name.startswith("lease.")] == [
+        "lease.acquired",
+        "lease.lapsed",
+        "lease.regained",
+    ]
+
+
+async def test_a_cancelled_open_leaves_the_root_free(tmp_path):
+    root = str(tmp_path / "run")
+    rng = random.Random(7)
+    t0 = time.monotonic()
+    async with AsyncCheckpointManager(root):
+        pass
+    opening = time.monotonic() - t0
+    cancelled = 0
+    deadline = time.monotonic() + 45
+    for _ in range(30):
+        if time.monotonic() > deadline:
+            break
+        with anyio.move_on_after(rng.uniform(0, 1.5 * opening)) as scope:
+            async with AsyncCheckpointManager(root, lease_ttl=60.0):
+                await anyio.sleep(5)
+        cancelled += scope.cancelled_caught
+        # The next writer gets the root at once, whatever the cancelled one had taken.
+        with anyio.fail_after(20):
+            async with AsyncCheckpointManager(root, lease_ttl=60.0):
+                pass
+    assert cancelled >= 10
+    rec = current(root).record
+    assert rec is not None
+    assert rec.released
+
+
+def wait_dead(pid: int) -> None:
+    """Block (no event loop runs) until our child ``pid`` has died, every thread of it, without
+    reaping it (its Popen does that)."""
+    try:
+        while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+            time.sleep(0.01)
+    except ChildProcessError:
+        pass  # reaped already: the manager saw it die
+
+
+async def test_a_save_after_an_idle_daemons_death_commits(tmp_path):
+    root = str(tmp_path / "run")
+    async with AsyncCheckpointManager(root) as mgr:
+        await (await mgr.save(1, state(1)))
+        for step in range(2, 6):
+            pid = mgr.daemon_pid
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            wait_dead(pid)  # a synchronous training step: the loop does not run meanwhile
+            with anyio.fail_after(60):
+                await (await mgr.save(step, state(step)))
+        assert await mgr.steps() == [1, 2, 3, 4, 5]
+
+
+def test_a_sync_save_after_an_idle_daemons_death_commits(tmp_path):
+    root = str(tmp_path / "run")
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, state(1)).result(60)
+        for step in range(2, 6):
+            pid = mgr.daemon_pid
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            wait_dead(pid)  # its death may or may not have been seen by the manager's loop
+            mgr.save(step, state(step)).result(60)
+        assert mgr.steps() == [1, 2, 3, 4, 5]
+
+
+def test_an_unclosed_sync_manager_does_not_hold_the_interpreter(tmp_path):
+    root = str(tmp_path / "run")
+    script = textwrap.dedent(
+        """
+        import sys, torch
+        from aiockpt import CheckpointManager
+
+        mgr = CheckpointManager(sys.argv[1])
+        mgr.open()
+        mgr.save(1, {"w": torch.ones(1 << 20)})
+        """
+    )
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", script, root], capture_output=True, text=True, timeout=60
+    )
+    took = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stderr
+    assert took < 10, took
+    assert Catalog(open_storage(root)).committed_steps() == [1]
+    rec = current(root).record
+    assert rec is not None
+    assert rec.released
