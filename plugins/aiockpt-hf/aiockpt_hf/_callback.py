@@ -74,8 +74,21 @@ class AiockptCallback(TrainerCallback):
 
     @property
     def manager(self) -> CheckpointManager:
-        """The open :class:`aiockpt.CheckpointManager` (opened on first use, closed by
-        ``on_train_end`` or :meth:`close`), to list steps or load a checkpoint."""
+        """The open :class:`aiockpt.CheckpointManager`, to list steps or load a checkpoint.
+
+        Reading it never opens one (a manager holds the root's lease, and a debugger or a
+        logger reading attributes must not take it): the manager opens at :meth:`open`,
+        :meth:`resume` or the first save, and closes at ``on_train_end`` or :meth:`close`.
+        Raises RuntimeError while it is not open."""
+        if self._manager is None:
+            raise RuntimeError(
+                "the callback's manager is not open: it opens at resume(), at the first save, "
+                "or with callback.open()"
+            )
+        return self._manager
+
+    def open(self) -> CheckpointManager:
+        """Open the manager (once; later calls return it) and return it."""
         if self._manager is None:
             manager = CheckpointManager(self._root, **self._manager_kwargs)
             manager.open()
@@ -121,7 +134,7 @@ class AiockptCallback(TrainerCallback):
         if trainer.model is None:
             raise ValueError("the Trainer has no model yet")
         self._trainer = trainer
-        manager = self.manager
+        manager = self.open()
         if step is None:
             step = manager.latest_step()
             if step is None:
@@ -177,7 +190,7 @@ class AiockptCallback(TrainerCallback):
             "rng": capture_rng(),
             "trainer_state": trainer_state_values(state, control, callbacks),
         }
-        handle = self.manager.save(state.global_step, values, metrics=step_metrics(state))
+        handle = self.open().save(state.global_step, values, metrics=step_metrics(state))
         self._saved_step = state.global_step
         for done in [h for h in self._handles if h.done()]:
             self._handles.remove(done)
@@ -223,7 +236,7 @@ class AiockptCallback(TrainerCallback):
                 "trainer.train(resume_from_checkpoint=...)"
             )
         into = {"optimizer": kwargs["optimizer"], "lr_scheduler": kwargs["lr_scheduler"]}
-        self.manager.load(resume.step, into=into, keys=list(into))
+        self.open().load(resume.step, into=into, keys=list(into))
         resume.rng_at = self._rng_at(args, state, kwargs.get("train_dataloader"))
         self._saved_step = resume.step
 

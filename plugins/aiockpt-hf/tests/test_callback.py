@@ -179,3 +179,19 @@ def test_save_strategy_best_is_refused(tmp_path: Path) -> None:
             trainer.train()
     finally:
         callback.close()
+
+
+def test_reading_the_manager_property_opens_nothing(tmp_path: Path) -> None:
+    callback = AiockptCallback(tmp_path / "root")
+    with pytest.raises(RuntimeError, match="not open"):
+        _ = callback.manager
+    assert not (tmp_path / "root").exists()  # no manager, no lease taken
+    manager = callback.open()
+    try:
+        assert callback.manager is manager
+        assert callback.open() is manager
+        assert manager.steps() == []
+    finally:
+        callback.close()
+    with pytest.raises(RuntimeError, match="not open"):
+        _ = callback.manager
