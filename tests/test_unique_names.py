@@ -344,3 +344,22 @@ def test_every_kept_checkpoint_loads_whatever_the_run_did(
     if saved:
         result = verify(root)
         assert result.returncode == 0, result.stdout + result.stderr
+
+
+async def test_an_outage_reading_an_earlier_steps_file_is_a_storage_error(tmp_path, test_storages):
+    """Step 2 reads its big tensor from step 1's file: a storage failing that read is a
+    StorageError, as it is on the step's own file, not a corrupt checkpoint; once the storage
+    answers again, the same load works."""
+    root, flag = str(tmp_path / "run"), str(tmp_path / "outage")
+    options = {"read_flag": flag, "read_match": f"{fmt.step_dirname(1)}/"}
+    async with AsyncCheckpointManager(f"fulldisk://{root}", storage_options=options) as mgr:
+        await (await mgr.save(1, state_at(1, 1)))
+        await (await mgr.save(2, state_at(2, 1)))
+        sources = {b[2] for b in manifest_of(root, 2)["shards"][0]["blocks"]} - {""}
+        assert sources  # step 2 reads from step 1's file
+        Path(flag).touch()
+        with pytest.raises(StorageError, match="connection reset") as info:
+            await mgr.load(2)
+        assert not isinstance(info.value, CorruptCheckpointError)
+        os.unlink(flag)
+        assert_loads(await mgr.load(2), expected(2, 1))

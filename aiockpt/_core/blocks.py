@@ -18,6 +18,7 @@ its bytes, never to another step's table.
 from __future__ import annotations
 
 import bisect
+import errno
 import itertools
 import re
 from collections.abc import Iterable, Sequence
@@ -222,13 +223,34 @@ class ShardMap:
                     continue
                 try:
                     storage.readinto(e.path, e.offset, view)
+                except CorruptCheckpointError:
+                    raise
                 except CheckpointError as err:
+                    if not self._gone(storage, e.path, e.offset + len(view)):
+                        raise  # the storage failed (an outage, say), not the checkpoint
                     where = self.where(e.path)
                     raise CorruptCheckpointError(
                         f"{where}: written by step {int(e.path[5:17])} and referenced by "
                         f"{self.where(self.own)}, cannot be read: {err}",
                         path=where,
                     ) from None
+
+    @staticmethod
+    def _gone(storage: Any, path: str, end: int) -> bool:
+        """Whether a referenced file that failed a read is missing or shorter than ``end``:
+        the checkpoint's fault. Asked once the read failed; a storage that cannot answer
+        either is failing, and its error is the one to raise."""
+        try:
+            return bool(storage.size(path) < end)
+        except CorruptCheckpointError:
+            return True
+        except CheckpointError as err:
+            if getattr(err, "errno", None) == errno.ENOENT:
+                return True
+            try:
+                return not storage.exists(path)
+            except CheckpointError:
+                return False
 
     def describe(self, lo: int, hi: int) -> str:
         """The files holding logical bytes ``[lo, hi)``, with the step that wrote each, for an

@@ -61,11 +61,20 @@ def open_gated(url: str, storage_options: dict[str, Any]) -> GatedStorage:
 class FullDiskStorage(LocalStorage):
     """A local root whose disk is full while a flag file exists: at the commit (every
     manifest creation fails with ENOSPC, after the shard was written; storage option
-    ``flag``), or at the shard's write (option ``write_flag``)."""
+    ``flag``), or at the shard's write (option ``write_flag``); and whose reads of paths
+    holding ``read_match`` fail while ``read_flag`` exists."""
 
-    def __init__(self, root: str, flag: str | None, write_flag: str | None) -> None:
+    def __init__(
+        self,
+        root: str,
+        flag: str | None,
+        write_flag: str | None,
+        read_flag: str | None = None,
+        read_match: str = "",
+    ) -> None:
         super().__init__(root)
         self.flag, self.write_flag = flag, write_flag
+        self.read_flag, self.read_match = read_flag, read_match
 
     @staticmethod
     def _no_space(path: str) -> StorageError:
@@ -76,6 +85,13 @@ class FullDiskStorage(LocalStorage):
             raise self._no_space(path)
         super().write_file(path, buffers)
 
+    def readinto(self, path: str, offset: int, out: memoryview) -> None:
+        # An outage of reads, of the files under ``read_match`` alone, while ``read_flag``
+        # exists: the storage failing, not the checkpoint.
+        if self.read_flag and os.path.exists(self.read_flag) and self.read_match in path:
+            raise StorageError(f"read {path} failed: connection reset", path=path, errno=errno.EIO)
+        super().readinto(path, offset, out)
+
     def put_if_absent(self, path: str, data: bytes) -> bool:
         if path.endswith("/manifest.json") and self.flag and os.path.exists(self.flag):
             raise self._no_space(path)
@@ -84,4 +100,10 @@ class FullDiskStorage(LocalStorage):
 
 def open_full_disk(url: str, storage_options: dict[str, Any]) -> FullDiskStorage:
     options = dict(storage_options)
-    return FullDiskStorage(url.partition("://")[2], options.get("flag"), options.get("write_flag"))
+    return FullDiskStorage(
+        url.partition("://")[2],
+        options.get("flag"),
+        options.get("write_flag"),
+        options.get("read_flag"),
+        options.get("read_match", ""),
+    )
