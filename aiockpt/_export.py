@@ -36,6 +36,7 @@ from ._core.blocks import ShardMap
 from ._core.catalog import Catalog
 from ._core.chunks import Chunk
 from ._core.dtable import ChunkRecord, DTensorRecord
+from ._core.lease import LEASE_DIR
 from ._core.tree import DTENSOR, TENSOR, walk
 from ._daemon.reshard import Assembler
 from .errors import CorruptCheckpointError
@@ -299,6 +300,7 @@ def export(
     files = plan_files(items, max_shard_size)
     target = os.path.abspath(out)
     _check_target(target, directory=max_shard_size is not None)
+    _check_outside_roots(out, getattr(catalog.storage, "root", None))
     parent, base = os.path.split(target)
     tmp = os.path.join(parent, f".{base}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     largest = max(item.nbytes for item in items)
@@ -343,6 +345,47 @@ def _check_target(target: str, *, directory: bool) -> None:
             f"{target} is a directory; OUT is the file to write (or pass --max-shard-size "
             "for a directory of files)"
         )
+
+
+def _check_outside_roots(out: str, source: str | None) -> None:
+    """Refuse an ``out`` inside the root exported (``source``, its local directory when it
+    has one) or inside any aiockpt root: the export would replace a checkpoint's manifest or
+    shard, or put a file among the lease's that every later writer reads as the lease.
+    Symbolic links are followed, so a link into a root is refused too."""
+    real = os.path.realpath(out)
+    if source is not None:
+        root = os.path.realpath(source)
+        if os.path.commonpath([real, root]) == root:
+            raise ExportError(
+                f"{out} is inside the checkpoint root {source} being exported; write the "
+                "export outside it"
+            )
+    here = os.path.dirname(real)
+    while True:
+        if _is_root(here):
+            raise ExportError(
+                f"{out} is inside the checkpoint root {here}; write the export outside it"
+            )
+        up = os.path.dirname(here)
+        if up == here:
+            return
+        here = up
+
+
+def _is_root(path: str) -> bool:
+    """Whether the local directory ``path`` is an aiockpt root: it holds the lease directory,
+    or a step directory with a manifest."""
+    if os.path.isdir(os.path.join(path, LEASE_DIR)):
+        return True
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return any(
+        fmt.parse_step_dirname(n) is not None
+        and os.path.isfile(os.path.join(path, n, fmt.MANIFEST))
+        for n in names
+    )
 
 
 def _write_dir(
