@@ -18,11 +18,13 @@ import anyio
 import pytest
 import torch
 from _support.roots import manifest_of, step_numbers
+from _support.storages import FullDiskStorage
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aiockpt import AsyncCheckpointManager, EveryNSteps, LatestN
 from aiockpt._core import format as fmt
+from aiockpt._core.catalog import Catalog
 from aiockpt.errors import (
     CorruptCheckpointError,
     DaemonDiedError,
@@ -363,3 +365,24 @@ async def test_an_outage_reading_an_earlier_steps_file_is_a_storage_error(tmp_pa
         assert not isinstance(info.value, CorruptCheckpointError)
         os.unlink(flag)
         assert_loads(await mgr.load(2), expected(2, 1))
+
+
+async def test_verify_raises_an_outage_rather_than_calling_the_step_corrupt(root, tmp_path):
+    """The same outage, met by verify: the storage's error is raised; the step is not
+    reported corrupt, and once the storage answers verify finds it intact."""
+    async with AsyncCheckpointManager(root) as mgr:
+        await (await mgr.save(1, state_at(1, 1)))
+        await (await mgr.save(2, state_at(2, 1)))
+    flag = tmp_path / "outage"
+    storage = FullDiskStorage(
+        root, None, None, read_flag=str(flag), read_match=f"{fmt.step_dirname(1)}/"
+    )
+    catalog = Catalog(storage)
+    m = catalog.read_manifest(2)
+    (shard,) = m.shards
+    flag.touch()
+    with pytest.raises(StorageError, match="connection reset") as info:
+        catalog.verify_shard(2, shard, m.tensors[shard.file])
+    assert not isinstance(info.value, CorruptCheckpointError)
+    flag.unlink()
+    assert catalog.verify_shard(2, shard, m.tensors[shard.file]) == []

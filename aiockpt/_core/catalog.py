@@ -12,6 +12,7 @@ untrusted: manifests are size-checked before they are read and validated as they
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable, Collection, Iterable, Mapping
 
 import crc32c
@@ -256,7 +257,13 @@ class Catalog:
         path = f"{fmt.step_dirname(step)}/{shard.file}"
         try:
             size = self.storage.size(path)
-        except CheckpointError:
+        except CorruptCheckpointError as e:  # not a regular file, a link out of the root
+            progress(shard.nbytes)
+            return [f"{path}: {e}"]
+        except CheckpointError as e:
+            if not _missing(self.storage, path, e):
+                raise  # the storage failed, not the checkpoint: a StorageError to the caller
+            progress(shard.nbytes)
             return [f"{path}: missing"]
         if size != shard.file_size:
             progress(shard.nbytes)
@@ -269,7 +276,7 @@ class Catalog:
             view = memoryview(buf)[: hi - lo]
             try:
                 smap.readinto(self.storage, lo, view)
-            except CheckpointError as e:
+            except CorruptCheckpointError as e:  # short, missing, or not a regular file
                 progress(shard.nbytes - lo)
                 return [f"{path}: unreadable: {e}"]
             crcs.update(lo, view)
@@ -280,6 +287,16 @@ class Catalog:
         if problems and shard.referenced_nbytes:
             problems.append(f"its bytes are in {smap.describe(0, shard.nbytes)}")
         return [f"{path}: {problem}" for problem in problems]
+
+
+def _missing(storage: Storage, path: str, error: CheckpointError) -> bool:
+    """Whether ``path``, whose size could not be read (``error``), is not there at all."""
+    if getattr(error, "errno", None) == errno.ENOENT:
+        return True
+    try:
+        return not storage.exists(path)
+    except CheckpointError:
+        return False
 
 
 class ShardCrcs:
