@@ -27,7 +27,7 @@ from typing import Any, NoReturn, TextIO
 from . import __version__, _copy, _export
 from ._core import format as fmt
 from ._core.catalog import Catalog
-from ._core.lease import read_current
+from ._core.lease import GONE, Claimant, read_current, supersedes
 from ._core.tree import plain_values
 from .errors import CheckpointError
 from .retention import (
@@ -647,7 +647,8 @@ def refuse_if_leased(root: Root) -> None:
     applying its own retention, and deleting under it is how checkpoints get lost."""
     lease = read_current(root.catalog.storage)
     holder = lease.holder(time.time())
-    if holder is not None:
+    # A holder proven gone (its processes dead, on this host) saves nothing any more.
+    if holder is not None and supersedes(Claimant.here(), holder)[0] != GONE:
         raise UsageError(
             f"{root.url} is leased by a running writer ({holder.describe()}); deleting "
             "while it saves can remove what it is writing. Stop it first, or pass --force"

@@ -22,6 +22,7 @@ from test_lease import Writer, current, state, write_lease
 
 from aiockpt import AsyncCheckpointManager, CheckpointManager
 from aiockpt._core.catalog import Catalog
+from aiockpt.cli import main as cli_main
 from aiockpt.errors import LeaseLostError, RootLockedError
 from aiockpt.storage import open_storage
 
@@ -77,6 +78,8 @@ def test_a_job_killed_whole_gets_its_root_back_at_once(tmp_path):
     first.signal(signal.SIGKILL)  # the whole job: trainer and daemon
     first.proc.wait(30)
     first.close()
+    # Nobody writes there any more: prune needs no --force (it wanted one until the TTL).
+    assert cli_main(["prune", root, "--keep-last", "1", "--yes"]) == 0
 
     async def reopen() -> tuple[float, list, list[int], torch.Tensor]:
         events: list = []
