@@ -13,6 +13,8 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
+from multiprocessing import Pipe
 from pathlib import Path
 
 import anyio
@@ -22,6 +24,9 @@ from test_lease import Writer, current, state, write_lease
 
 from aiockpt import AsyncCheckpointManager, CheckpointManager
 from aiockpt._core.catalog import Catalog
+from aiockpt._core.protocol import Hello, LeaseSpec
+from aiockpt._core.shm import Segment, unlink
+from aiockpt._trainer.client import _PKG_PARENT, DAEMON_BOOT
 from aiockpt.cli import main as cli_main
 from aiockpt.errors import LeaseLostError, RootLockedError
 from aiockpt.storage import open_storage
@@ -342,3 +347,62 @@ def test_an_unclosed_sync_manager_does_not_hold_the_interpreter(tmp_path):
     rec = current(root).record
     assert rec is not None
     assert rec.released
+
+
+def test_a_daemon_whose_trainer_vanished_while_it_started_leaves_nothing_held(tmp_path):
+    """The trainer sends its Hello and is gone before the daemon is ready (killed, or its
+    open() cancelled): the daemon must release the lease it took, and the trainer's slabs."""
+    root = str(tmp_path / "run")
+    slab = f"/aiockpt-{os.getpid()}-slab-vanished{time.monotonic_ns()}"
+    Segment(slab, 4096, create=True).close()  # a slab the trainer was filling
+    try:
+        for _ in range(3):
+            parent, child = Pipe(duplex=True)
+            proc = subprocess.Popen(
+                [sys.executable, "-c", DAEMON_BOOT, _PKG_PARENT, str(child.fileno())],
+                pass_fds=(child.fileno(),),
+            )
+            child.close()
+            spec = LeaseSpec("a trainer that vanished", 60.0, 20.0)
+            hello = Hello(url=root, storage_options={}, retention=None, lease=spec)
+            parent.send(replace(hello, trainer_pid=os.getpid()))
+            parent.close()  # gone before it heard READY
+            assert proc.wait(30) is not None
+            lease = current(root)
+            assert lease.record is None or lease.record.released, lease
+        assert slab[1:] not in os.listdir("/dev/shm")
+    finally:
+        unlink(slab)
+
+
+def test_an_unclosed_sync_manager_leaves_what_it_cannot_finish_to_the_daemon(tmp_path):
+    root = str(tmp_path / "run")
+    script = textwrap.dedent(
+        """
+        import os, signal, sys, torch
+        from aiockpt import CheckpointManager
+
+        mgr = CheckpointManager(sys.argv[1], close_timeout=1.0)
+        mgr.open()
+        mgr.save(1, {"w": torch.ones(4)}).result()
+        print(mgr.daemon_pid, flush=True)
+        os.kill(mgr.daemon_pid, signal.SIGSTOP)  # step 2 cannot commit before exit
+        mgr.save(2, {"w": torch.ones(4)})
+        """
+    )
+    out, err = tmp_path / "out", tmp_path / "err"
+    t0 = time.monotonic()
+    with out.open("w") as o, err.open("w") as e:  # files: the stopped daemon holds them open
+        code = subprocess.Popen([sys.executable, "-c", script, root], stdout=o, stderr=e).wait(60)
+    took = time.monotonic() - t0
+    daemon = int(out.read_text().split()[0])
+    os.kill(daemon, signal.SIGCONT)
+    assert code == 0, err.read_text()
+    assert took < 10, took
+    assert "saves of steps [2] had not committed after 1.0 s" in err.read_text()
+    # The daemon, its trainer gone, still commits what was staged, then releases the lease.
+    deadline = time.monotonic() + 30
+    while not (current(root).record.released and os.path.exists(f"{root}/step_000000000002")):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert Catalog(open_storage(root)).committed_steps() == [1, 2]
