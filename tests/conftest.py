@@ -21,9 +21,10 @@ def root(tmp_path) -> str:
 @pytest.fixture
 def test_storages(monkeypatch) -> None:
     """Serve the test storages of ``_support.storages`` for this test alone: ``fulldisk://``
-    (a disk that fills up on cue) and ``gated://`` (a writer paused mid-shard on cue). The
-    daemon imports them from the tests folder."""
-    from _support.storages import open_full_disk, open_gated
+    (a disk that fills up on cue), ``gated://`` (a writer paused mid-shard on cue) and
+    ``vanishing://`` (a step deleted while it is read). The daemon imports them from the
+    tests folder."""
+    from _support.storages import open_full_disk, open_gated, open_vanishing
 
     from aiockpt.storage import register_storage
     from aiockpt.storage._registry import ENV_VAR
@@ -35,3 +36,4 @@ def test_storages(monkeypatch) -> None:
     )
     register_storage("fulldisk", open_full_disk)
     register_storage("gated", open_gated)
+    register_storage("vanishing", open_vanishing)

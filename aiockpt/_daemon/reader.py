@@ -594,6 +594,24 @@ def committed_step(catalog: Catalog, step: int | None) -> int:
     return step
 
 
+def deleted_under(catalog: Catalog, step: int, error: CheckpointError) -> CheckpointError:
+    """What a load of ``step`` that failed with ``error`` raises: CheckpointNotFoundError when
+    the step is no longer committed (retention or ``aiockpt prune`` deleted it while it was
+    read), else ``error`` itself."""
+    if isinstance(error, CheckpointNotFoundError):
+        return error
+    try:
+        gone = not catalog.is_committed(step)
+    except CheckpointError:
+        return error  # the storage cannot say: its own error stands
+    if not gone:
+        return error
+    return CheckpointNotFoundError(
+        f"step {step} was deleted from {catalog.storage.url} while it was being loaded "
+        f"(by retention, or aiockpt prune): {error}"
+    )
+
+
 def shard_of(
     catalog: Catalog, m: fmt.Manifest, step: int, rank: int
 ) -> tuple[str, fmt.ShardTensors]:
@@ -860,7 +878,12 @@ class Reader:
         checked against it."""
         step = committed_step(self.catalog, step)
         # Lazily: a rank checks the records it reads, not every rank's (200k at 1024 ranks).
-        m = self.catalog.read_manifest(step, lazy=True)
+        try:
+            m = self.catalog.read_manifest(step, lazy=True)
+        except CheckpointError as e:
+            if (gone := deleted_under(self.catalog, step, e)) is not e:
+                raise gone from None
+            raise
         if m.world_size != world_size:
             rank = 0  # every rank reads rank 0's part, if it is the same on every rank
             check_replicated(m, world_size)
@@ -902,6 +925,11 @@ class Reader:
             assembled = assemble(
                 self.catalog, self.pool, plan.m, plan.step, plan.boxes, plan.out_at, seg
             )
+        except CheckpointError as e:
+            self._checks.wait(quiet=True)
+            if (gone := deleted_under(self.catalog, plan.step, e)) is not e:
+                raise gone from None
+            raise
         except BaseException:
             self._checks.wait(quiet=True)
             raise

@@ -107,3 +107,25 @@ def open_full_disk(url: str, storage_options: dict[str, Any]) -> FullDiskStorage
         options.get("read_flag"),
         options.get("read_match", ""),
     )
+
+
+class VanishingStorage(LocalStorage):
+    """A local root where, while the flag file ``vanish`` exists, the first read of a file of
+    a step deletes that step first (its manifest, then its directory): retention, or aiockpt
+    prune, deleting the step a load is reading."""
+
+    def __init__(self, root: str, vanish: str) -> None:
+        super().__init__(root)
+        self.vanish = vanish
+
+    def readinto(self, path: str, offset: int, out: memoryview) -> None:
+        step_dir, _, name = path.partition("/")
+        if name.startswith("shard_r") and os.path.exists(self.vanish):
+            os.unlink(self.vanish)
+            super().delete(f"{step_dir}/manifest.json")
+            super().delete(step_dir, recursive=True)
+        super().readinto(path, offset, out)
+
+
+def open_vanishing(url: str, storage_options: dict[str, Any]) -> VanishingStorage:
+    return VanishingStorage(url.partition("://")[2], storage_options["vanish"])
