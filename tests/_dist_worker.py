@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 from _support.ranks import serve_rank
@@ -122,7 +124,86 @@ async def late_refusal(rank: int, world: int, root: str) -> dict:
     return result
 
 
-SCENARIOS = {f.__name__: f for f in (save_load, kill_daemon, mismatch, replicated, late_refusal)}
+class _Exploding(Mapping):
+    """A lazy state dict that fails as it is read, not as it is made."""
+
+    def __getitem__(self, key: str) -> Any:
+        raise RuntimeError("state_dict exploded")
+
+    def __iter__(self) -> Iterator[str]:
+        raise RuntimeError("state_dict exploded")
+
+    def __len__(self) -> int:
+        return 1
+
+
+class _Flaky:
+    """A stateful object whose state is unreadable while ``failing`` is set: its
+    ``state_dict()`` raises, or (``lazily``) returns a mapping that raises once it is read."""
+
+    def __init__(self, rank: int) -> None:
+        self.w = torch.full((8,), float(rank))
+        self.failing = self.lazily = False
+
+    def state_dict(self) -> Mapping:
+        if self.failing and self.lazily:
+            return _Exploding()
+        if self.failing:
+            raise RuntimeError("state_dict exploded")
+        return {"w": self.w}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.w.copy_(sd["w"])
+
+
+async def state_dict_raises(rank: int, world: int, root: str) -> dict:
+    """The last rank's state cannot be read (state_dict() raises, or what it returns does)
+    every other save; each save after a failed one commits on every rank."""
+    flaky = _Flaky(rank)
+    state = {"model": flaky, "own": torch.full((4,), float(rank))}
+    failures: list[dict] = []
+    async with AsyncCheckpointManager(root, dist_timeout=60) as mgr:
+        for round_ in range(5):
+            flaky.failing, flaky.lazily = rank == world - 1, round_ % 2 == 0
+            t0 = time.monotonic()
+            try:
+                await (await mgr.save(2 * round_ + 1, state))
+                failures.append({"error": None})
+            except Exception as e:
+                failures.append({**err(e), "seconds": time.monotonic() - t0})
+            flaky.failing = False
+            await (await mgr.save(2 * round_ + 2, state))
+        return {"failures": failures, "steps": await mgr.steps()}
+
+
+async def late_rank(rank: int, world: int, root: str) -> dict:
+    """The last rank comes to a save long after dist_timeout: the others give up, naming it."""
+    result: dict = {}
+    async with AsyncCheckpointManager(root, dist_timeout=2) as mgr:
+        if rank == world - 1:
+            time.sleep(9)  # past the others' deadline and their wait for each other's marks
+        t0 = time.monotonic()
+        try:
+            await (await mgr.save(1, state_for(rank)))
+            result["error"] = None
+        except Exception as e:
+            result["error"] = err(e)
+        result["seconds"] = time.monotonic() - t0
+    return result
+
+
+SCENARIOS = {
+    f.__name__: f
+    for f in (
+        save_load,
+        kill_daemon,
+        mismatch,
+        replicated,
+        late_refusal,
+        state_dict_raises,
+        late_rank,
+    )
+}
 
 
 if __name__ == "__main__":

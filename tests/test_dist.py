@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -30,14 +31,12 @@ def test_every_rank_saves_and_loads_its_own_state(tmp_path, world):
     with open(os.path.join(root, "step_000000000002", "manifest.json")) as f:
         manifest = json.load(f)
     assert manifest["world_size"] == world
-    assert [s["file"] for s in manifest["shards"]] == [
-        f"shard_r{r:05d}.safetensors" for r in range(world)
-    ]
+    files = [s["file"] for s in manifest["shards"]]
+    for r, name in enumerate(files):  # named by the attempt that wrote it
+        assert re.fullmatch(rf"shard_r{r:05d}\.[0-9a-f]{{16}}\.safetensors", name), name
     names = os.listdir(os.path.join(root, "step_000000000002"))
     # the ranks agreed through the job's store: nothing but the checkpoint in storage
-    assert sorted(names) == sorted(
-        ["manifest.json"] + [f"shard_r{r:05d}.safetensors" for r in range(world)]
-    )
+    assert sorted(names) == sorted(["manifest.json", *files])
     for rank, r in enumerate(results):
         for requests in r["requests"]:
             assert requests["write_file"] == 1, requests  # the shard
@@ -122,3 +121,35 @@ def test_torchrun_example_saves_stops_and_resumes(tmp_path):
     assert "[rank 0/2] RESUMED from step 20" in outputs[1]
     assert "[rank 1/2] RESUMED from step 20" in outputs[1]
     assert "[rank 1] committed steps: [30, 40]" in outputs[1]
+
+
+def test_state_dict_raising_on_one_rank_fails_every_rank_and_the_next_save_commits(tmp_path):
+    root = str(tmp_path / "run")
+    r0, r1 = run_ranks("state_dict_raises", 2, tmp_path, root, timeout=60)
+    for i, (f0, f1) in enumerate(zip(r0["failures"], r1["failures"], strict=True)):
+        lazily = i % 2 == 0  # the error escapes state_dict(), raised as the tree is read
+        assert f0["type"] == "DistributedSaveError", f0
+        assert f0["ranks"] == [1]
+        assert "rank 1: " in f0["message"]
+        assert "state_dict exploded" in f0["message"]
+        if lazily:  # not aiockpt's refusal: named as the rank's failure there too
+            assert f1 == {**f0, "seconds": f1["seconds"]}
+        else:
+            assert f1["type"] == "StateDictError", f1
+            assert f"rank 1: {f1['type']}: {f1['message']}" in f0["message"]
+        assert f0["seconds"] < 10
+        assert f1["seconds"] < 10
+    assert len(r0["failures"]) == 5
+    assert r0["steps"] == r1["steps"] == [2, 4, 6, 8, 10]
+
+
+def test_a_rank_late_past_dist_timeout_is_named_by_the_others(tmp_path):
+    root = str(tmp_path / "run")
+    r0, r1 = run_ranks("late_rank", 2, tmp_path, root, timeout=60)
+    assert r0["error"]["type"] == "DistributedSaveError", r0
+    assert r0["error"]["ranks"] == [1]
+    assert "rank(s) [1] did not join" in r0["error"]["message"]
+    assert r0["seconds"] < 2 + 5 + 1.5  # dist_timeout, then the wait for the others' marks
+    assert r1["error"] is not None  # too late to save with rank 0, and told within its own
+    assert r1["seconds"] < 2 + 5 + 1.5
+    assert not os.path.exists(os.path.join(root, "step_000000000001", "manifest.json"))

@@ -8,33 +8,57 @@ a few bytes per save (see agree), and barriers around start-up cleanup.
 from __future__ import annotations
 
 import hashlib
+import itertools
+import pickle
 import struct
-from collections.abc import Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
-from ..errors import DistributedSaveError, InvalidStepError, UnsupportedValueError
+from ..errors import CheckpointError, DistributedSaveError, InvalidStepError, UnsupportedValueError
+
+#: What a wait across ranks that failed raises: ``error(message, late_ranks)``.
+Fail = Callable[[str, list[int]], Exception]
+
+
+def save_failed(message: str, ranks: list[int]) -> Exception:
+    return DistributedSaveError(message, ranks=ranks)
 
 
 @dataclass(frozen=True, slots=True)
 class Group:
-    """The process group a manager checkpoints, and this process's place in it."""
+    """The process group a manager checkpoints, and this process's place in it.
+
+    Every collective here is bounded by ``timeout`` (the manager's ``dist_timeout``): a rank
+    that does not join one in time is named in the error, found through the group's store
+    (see :meth:`_late`). The collective itself stays pending in torch, so after such an error
+    the ranks are out of step and the group is not to be used for checkpoints again."""
 
     pg: Any
     rank: int
     world_size: int
     #: The global ranks of the group's members, by group rank.
     ranks: tuple[int, ...] = ()
+    #: Seconds any rank waits for the others in a collective (None: torch's own timeout).
+    timeout: float | None = None
+    #: Numbers this rank's collectives, in the order every rank runs them.
+    _seq: Iterator[int] = field(default_factory=itertools.count, compare=False, repr=False)
 
-    def all_gather(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, by rank."""
-        import torch.distributed as dist
+    def all_gather(self, obj: Any, what: str = "a collective", fail: Fail = save_failed) -> list:
+        """Every rank's ``obj`` (pickled), by rank: the sizes, then the padded pickles."""
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        sizes = [
+            _SIZE.unpack(b)[0] for b in self.all_gather_bytes(_SIZE.pack(len(data)), what, fail)
+        ]
+        padded = data + bytes(max(sizes) - len(data))
+        gathered = self.all_gather_bytes(padded, what, fail)
+        return [pickle.loads(b[:n]) for b, n in zip(gathered, sizes, strict=True)]
 
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.pg)
-        return out
-
-    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+    def all_gather_bytes(
+        self, data: bytes, what: str = "a collective", fail: Fail = save_failed
+    ) -> list[bytes]:
         """Every rank's ``data``, by rank, when it is as long on every rank: one all_gather of
         a byte tensor, where all_gather_object runs two (the sizes, then the pickles) and
         pickles (4 gloo ranks on 2 cores: 4.2-4.6 ms against 8.2-8.5 ms)."""
@@ -46,18 +70,61 @@ class Group:
         device = torch.device(dist.distributed_c10d._get_object_coll_device(self.pg))
         mine = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(out, mine, group=self.pg)
+        self._wait(dist.all_gather(out, mine, group=self.pg, async_op=True), what, fail)
         return [bytes(t.cpu().numpy()) for t in out]
 
-    def barrier(self) -> None:
+    def barrier(self, what: str = "a barrier", fail: Fail = save_failed) -> None:
         """Wait until every rank gets here."""
         import torch.distributed as dist
 
-        dist.barrier(group=self.pg)
+        self._wait(dist.barrier(group=self.pg, async_op=True), what, fail)
+
+    def _wait(self, work: Any, what: str, fail: Fail) -> None:
+        seq = next(self._seq)
+        try:
+            if self.timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout=timedelta(seconds=self.timeout))
+        except RuntimeError as e:
+            if "timed out" not in str(e).lower():
+                raise fail(f"{what} failed between the ranks: {e}", []) from e
+            late = self._late(seq)
+            raise fail(
+                f"{what}: rank(s) {late} did not join the other ranks within dist_timeout="
+                f"{self.timeout:g} s",
+                late,
+            ) from None
+
+    def _late(self, seq: int) -> list[int]:
+        """The ranks that did not get to collective ``seq``, by the marks the ranks that timed
+        out in it leave in the group's store (each waits a moment for the others' marks)."""
+        from .storeproxy import group_store
+
+        store = group_store(self.pg)
+        if store is None:
+            return []
+        prefix = f"aiockpt/late/{seq}/r"
+        try:
+            store.set(f"{prefix}{self.rank}", b"1")
+            deadline = time.monotonic() + min(_MARK_WAIT, self.timeout or _MARK_WAIT)
+            while True:
+                late = [r for r in range(self.world_size) if not store.check([f"{prefix}{r}"])]
+                if not late or time.monotonic() >= deadline:
+                    return late
+                time.sleep(0.05)
+        except Exception:  # the store is gone too: nothing to name
+            return []
 
 
-def resolve_group(process_group: Any) -> Group | None:
-    """The group given, else the default one if torch.distributed is initialized, else None."""
+#: Seconds a rank that timed out in a collective waits for the others to mark it (see _late).
+_MARK_WAIT = 5.0
+_SIZE = struct.Struct("<q")
+
+
+def resolve_group(process_group: Any, timeout: float | None = None) -> Group | None:
+    """The group given, else the default one if torch.distributed is initialized, else None;
+    its collectives bounded by ``timeout`` seconds."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
@@ -74,7 +141,7 @@ def resolve_group(process_group: Any) -> Group | None:
     rank = dist.get_rank(pg)
     if rank < 0:
         raise ValueError("this process is not a member of the process_group given")
-    return Group(pg, rank, world, tuple(dist.get_process_group_ranks(pg)))
+    return Group(pg, rank, world, tuple(dist.get_process_group_ranks(pg)), timeout)
 
 
 #: A rank's say in a save (see agree): the step, whether it refused, its uuid and the
@@ -94,7 +161,10 @@ def agree(
 
     One all_gather of :data:`_SAY` per save; only when a rank refused, or the DTensors
     differ, does a second one gather what each rank has to say, at once (so that every
-    rank runs it, in the same order)."""
+    rank runs it, in the same order). ``error``: what this rank met before the agreement.
+    A refusal of aiockpt's own (a CheckpointError) is raised as it is on its rank; anything
+    else, and every failure on the other ranks, as DistributedSaveError naming each failing
+    rank and its error."""
     refused = error is not None
     mine = _SAY.pack(
         -1 if refused else step,
@@ -102,17 +172,18 @@ def agree(
         bytes.fromhex(uuid),
         bytes(16) if refused else _signature(dtensors),
     )
-    everyone = [_SAY.unpack(said) for said in group.all_gather_bytes(mine)]
+    what = f"the ranks' agreement on the save of step {step!r}"
+    everyone = [_SAY.unpack(said) for said in group.all_gather_bytes(mine, what)]
     if any(r for _, r, _, _ in everyone):
-        whys = group.all_gather(_describe(error))
-        if error is not None:
-            raise error
+        whys = group.all_gather(_describe(error), what)
         failed = {r: why for r, why in enumerate(whys) if why is not None}
+        if isinstance(error, CheckpointError):
+            raise error  # a refusal of aiockpt's own: it names what is wrong
         raise DistributedSaveError(
-            f"the save of step {step} was refused on rank(s) {sorted(failed)}: "
+            f"the save of step {step!r} failed on rank(s) {sorted(failed)}: "
             + "; ".join(f"rank {r}: {why}" for r, why in sorted(failed.items())),
             ranks=sorted(failed),
-        )
+        ) from error
     steps = {r: s for r, (s, _, _, _) in enumerate(everyone)}
     if len(set(steps.values())) != 1:
         raise InvalidStepError(
@@ -121,7 +192,7 @@ def agree(
         )
     if len({sig for _, _, _, sig in everyone}) != 1:
         # Rare, so only now the details: every rank learns the same offending key.
-        _refuse_disagreement(group, group.all_gather(_details(dtensors)))
+        _refuse_disagreement(group, group.all_gather(_details(dtensors), what))
     return everyone[0][2].hex()
 
 

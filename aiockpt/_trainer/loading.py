@@ -22,6 +22,7 @@ from .._core.gc import gc_paused, no_gc
 from .._core.protocol import LoadReply, SlabRef, TensorAt, Wanted
 from ..errors import CheckpointError, CorruptCheckpointError, InvalidStepError
 from ..events import logger
+from . import dist as _dist
 from .ledger import Emit
 from .staging import Layout, LayoutCache, Slab, SlabPool, copy_pairs, typed_views
 from .state import (
@@ -64,6 +65,8 @@ class Loader:
         self._flattener = flattener
         self._layouts = layouts
         self._pool = pool
+        #: The ranks a load agrees with (see AsyncCheckpointManager.open); None: one process.
+        self.group: _dist.Group | None = None
 
     async def load(
         self,

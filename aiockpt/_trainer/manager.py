@@ -39,6 +39,7 @@ from ..retention import CheckpointRecord, RetentionPolicy, best_order
 from . import checks
 from . import dist as _dist
 from .client import DaemonCallbacks, DaemonClient, SubprocessClient
+from .dist import resolve_group
 from .ledger import Ledger, SaveHandle, check_loop, loop_token
 from .loading import Loader, check_keys
 from .mirror import DaemonMirror
@@ -155,7 +156,7 @@ class AsyncCheckpointManager:
         if self.on_sigterm is not None:
             require_main_thread()
         group_info = process_group_info(self.process_group)  # first: refuses a non-group clearly
-        self._group = _dist.resolve_group(self.process_group)
+        self._group = self._loader.group = resolve_group(self.process_group, self.dist_timeout)
         if self._group is not None:
             self.rank, self.world_size = self._group.rank, self._group.world_size
         self.events = EventDispatcher(

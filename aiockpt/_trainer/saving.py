@@ -70,6 +70,10 @@ class Saver:
                 _dist.check_meshes(group, dtensors)
         except CheckpointError as e:
             refused = e
+        except Exception as e:
+            if group is None:
+                raise
+            refused = e  # every rank must still come to the agreement, and learn of it
         if group is not None:
             # Every rank learns of a refusal, a mismatched step or mismatched DTensors on any
             # rank, and all share rank 0's uuid, which names the save's coordination files.
