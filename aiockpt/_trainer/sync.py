@@ -123,6 +123,10 @@ class CheckpointManager:
 
     Event handlers are called in the manager's own thread. ``on_sigterm`` is not offered: a
     signal handler must be installed by the main thread, and the manager runs in another.
+
+    A manager never closed does not keep the interpreter alive: at exit it waits for its saves
+    in flight (``close_timeout``, or 5 s), then closes, or logs a warning naming the steps it
+    leaves to the daemon, which commits what was staged once this process is gone.
     """
 
     def __init__(
