@@ -221,8 +221,30 @@ def write_lease(root: str, data: bytes, generation: int = 1) -> None:
             "beyond what any writer sets",
         ),
         (json.dumps({"owner": "x", "host": "h", "pid": 1}).encode(), "bad times"),
+        (
+            json.dumps(
+                {
+                    **json.loads(
+                        LeaseRecord("x", "h", 1, time.time(), time.time() + 9, 1, 9.0).encode()
+                    ),
+                    "trainer_pid": "1",
+                }
+            ).encode(),
+            "bad process ids",
+        ),
+        (
+            json.dumps(
+                {
+                    **json.loads(
+                        LeaseRecord("x", "h", 1, time.time(), time.time() + 9, 1, 9.0).encode()
+                    ),
+                    "job": {"deep": [1]},
+                }
+            ).encode(),
+            "bad job",
+        ),
     ],
-    ids=["garbage", "huge", "decades ahead", "fields missing"],
+    ids=["garbage", "huge", "decades ahead", "fields missing", "bad trainer pid", "bad job"],
 )
 async def test_a_hostile_lease_file_is_refused_clearly_and_taken_over_on_request(
     tmp_path, data, why

@@ -24,6 +24,7 @@ from test_lease import Writer, current, state, write_lease
 
 from aiockpt import AsyncCheckpointManager, CheckpointManager
 from aiockpt._core.catalog import Catalog
+from aiockpt._core.lease import job_identity
 from aiockpt._core.protocol import Hello, LeaseSpec
 from aiockpt._core.shm import Segment, unlink
 from aiockpt._trainer.client import _PKG_PARENT, DAEMON_BOOT
@@ -406,3 +407,27 @@ def test_an_unclosed_sync_manager_leaves_what_it_cannot_finish_to_the_daemon(tmp
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert Catalog(open_storage(root)).committed_steps() == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("env", "explicit", "identity"),
+    [
+        ({}, None, (None, None)),
+        ({"TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_RESTART_COUNT": "2"}, None, (None, None)),
+        ({"TORCHELASTIC_RUN_ID": "r1", "TORCHELASTIC_RESTART_COUNT": "2"}, None, ("r1", 2)),
+        ({"SLURM_JOB_ID": "991"}, None, ("991", 0)),
+        ({"SLURM_JOB_ID": "991", "SLURM_RESTART_COUNT": "3"}, None, ("991", 3)),
+        ({"SLURM_JOB_ID": "991", "SLURM_RESTART_COUNT": "3"}, "mine", ("mine", 3)),
+        ({"SLURM_JOB_ID": "991"}, "mine", ("mine", None)),
+        ({"TORCHELASTIC_RUN_ID": "r1", "TORCHELASTIC_RESTART_COUNT": "x"}, None, ("r1", None)),
+    ],
+)
+def test_the_job_identity_comes_from_the_argument_or_the_environment(
+    monkeypatch, env, explicit, identity
+):
+    for name in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert job_identity(explicit) == identity
