@@ -216,7 +216,7 @@ def test_an_earlier_attempt_of_the_same_job_on_another_host_is_taken_over(tmp_pa
 async def test_a_lease_paused_past_its_ttl_is_regained_when_nobody_took_it(tmp_path):
     root = str(tmp_path / "run")
     events: list = []
-    ttl = 1.5
+    ttl = 3.0  # renewed every second: a busy machine does not make it lapse by itself
     async with AsyncCheckpointManager(root, lease_ttl=ttl, event_handlers=[events.append]) as mgr:
         await (await mgr.save(1, state(1)))
         daemon = mgr.daemon_pid
@@ -239,7 +239,7 @@ async def test_a_lease_paused_past_its_ttl_is_regained_when_nobody_took_it(tmp_p
 async def test_saves_fail_clearly_while_the_lease_cannot_be_renewed_then_commit(tmp_path):
     root = str(tmp_path / "run")
     events: list = []
-    ttl = 1.5
+    ttl = 3.0  # renewed every second: a busy machine does not make it lapse by itself
     async with AsyncCheckpointManager(root, lease_ttl=ttl, event_handlers=[events.append]) as mgr:
         await (await mgr.save(1, state(1)))
         lease_dir, away = Path(root, "_lease"), Path(root, "_lease.away")
@@ -269,20 +269,22 @@ async def test_a_cancelled_open_leaves_the_root_free(tmp_path):
     async with AsyncCheckpointManager(root):
         pass
     opening = time.monotonic() - t0
-    cancelled = 0
-    deadline = time.monotonic() + 45
-    for _ in range(30):
+    in_open = 0  # runs cancelled while open() ran, not after
+    deadline = time.monotonic() + 40
+    for _ in range(25):
         if time.monotonic() > deadline:
             break
-        with anyio.move_on_after(rng.uniform(0, 1.5 * opening)) as scope:
+        opened = False
+        with anyio.move_on_after(rng.uniform(0, 1.2 * opening)):
             async with AsyncCheckpointManager(root, lease_ttl=60.0):
+                opened = True
                 await anyio.sleep(5)
-        cancelled += scope.cancelled_caught
+        in_open += not opened
         # The next writer gets the root at once, whatever the cancelled one had taken.
         with anyio.fail_after(20):
             async with AsyncCheckpointManager(root, lease_ttl=60.0):
                 pass
-    assert cancelled >= 10
+    assert in_open >= 8
     rec = current(root).record
     assert rec is not None
     assert rec.released
