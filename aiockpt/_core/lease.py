@@ -10,6 +10,11 @@ deletion, that no higher generation exists and that its own lease has not run ou
 monotonic clock (a process paused past its TTL and then resumed knows it may have been taken
 over, before it asks the storage). See docs/reliability.md.
 
+The file names its holder: host, boot and pid namespace, the training process and its daemon
+(with their start times), the job and its attempt. That is what lets a restarted job take the
+root at once when the holder is provably gone (:func:`supersedes`), instead of waiting out
+the TTL of a writer that was SIGKILLed.
+
 This module holds the record, its checks and the reads (the daemon and the CLI share them);
 the daemon's :class:`~aiockpt._daemon.lease.LeaseKeeper` takes, renews and checks it.
 """
