@@ -5,6 +5,8 @@ Runs a scenario against a real gloo process group and writes what it saw to OUT 
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import signal
 import time
@@ -192,6 +194,75 @@ async def late_rank(rank: int, world: int, root: str) -> dict:
     return result
 
 
+class _Picky:
+    """A stateful object whose ``load_state_dict()`` raises while ``failing`` is set."""
+
+    def __init__(self, rank: int) -> None:
+        self.w = torch.full((4,), float(rank))
+        self.failing = False
+
+    def state_dict(self) -> dict:
+        return {"w": self.w}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if self.failing:
+            raise RuntimeError("load_state_dict exploded")
+        self.w.copy_(sd["w"])
+
+
+def flip_a_byte(root: str, step: int, rank: int) -> None:
+    """Corrupt a byte of the first tensor's data in ``rank``'s shard of ``step``."""
+    step_dir = os.path.join(root, f"step_{step:012d}")
+    with open(os.path.join(step_dir, "manifest.json")) as f:
+        shard = json.load(f)["shards"][rank]["file"]
+    with open(os.path.join(step_dir, shard), "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        start = min(v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
+        f.seek(8 + n + start)
+        byte = f.read(1)
+        f.seek(8 + n + start)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+async def load_failures(rank: int, world: int, root: str, how: str) -> dict:
+    """A load that fails on the last rank only (``how``): its shard corrupt, its target
+    holding a key the checkpoint lacks, or a module there refusing its state."""
+    import torch.distributed as dist
+
+    picky = _Picky(rank)
+    state = {"model": picky, "own": torch.full((16,), float(rank)), "step": 1}
+    result: dict = {}
+    async with AsyncCheckpointManager(root, dist_timeout=60) as mgr:
+        await (await mgr.save(1, state))
+        last = rank == world - 1
+        if how == "corrupt" and last:
+            flip_a_byte(root, 1, rank)
+        dist.barrier()
+        picky.w.fill_(-1.0)
+        state["own"].fill_(-1.0)
+        into = dict(state, extra=torch.zeros(2)) if how == "missing" and last else state
+        picky.failing = how == "load_state_dict" and last
+        t0 = time.monotonic()
+        try:
+            await mgr.load(1, into=into)
+            result["error"] = None
+        except Exception as e:
+            result["error"] = err(e)
+        result["seconds"] = time.monotonic() - t0
+        result["own"] = state["own"].tolist()
+        result["model"] = picky.w.tolist()
+        # the group is still in step: a load every rank can do succeeds everywhere
+        picky.failing = False
+        if how == "corrupt":  # step 1 stays unreadable: load a step saved now
+            state["own"].fill_(float(rank))
+            await (await mgr.save(2, state))
+            state["own"].fill_(-1.0)
+        loaded = await mgr.load(2 if how == "corrupt" else 1, into=state)
+        result["after"] = loaded["own"].tolist()
+    return result
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
@@ -205,6 +276,12 @@ SCENARIOS = {
     )
 }
 
+SCENARIOS.update(
+    {
+        f"load_fails_{how}": functools.partial(load_failures, how=how)
+        for how in ("corrupt", "missing", "load_state_dict")
+    }
+)
 
 if __name__ == "__main__":
     serve_rank(SCENARIOS, with_args=False)

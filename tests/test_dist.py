@@ -153,3 +153,32 @@ def test_a_rank_late_past_dist_timeout_is_named_by_the_others(tmp_path):
     assert r1["error"] is not None  # too late to save with rank 0, and told within its own
     assert r1["seconds"] < 2 + 5 + 1.5
     assert not os.path.exists(os.path.join(root, "step_000000000001", "manifest.json"))
+
+
+@pytest.mark.parametrize("how", ["corrupt", "missing", "load_state_dict"])
+def test_a_load_failing_on_one_rank_fails_on_every_rank(tmp_path, how):
+    """Rank 1's shard is corrupt, or its target holds a key the checkpoint lacks: every rank
+    raises, every target untouched. Rank 1's module refuses its state: every rank raises,
+    naming rank 1."""
+    root = str(tmp_path / "run")
+    r0, r1 = run_ranks(f"load_fails_{how}", 2, tmp_path, root, timeout=60)
+    own = {"corrupt": "CorruptCheckpointError", "missing": "LoadMismatchError"}
+    assert r1["error"]["type"] == own.get(how, "CheckpointError"), r1
+    assert r0["error"]["type"] == "CheckpointError", r0
+    assert "failed on rank(s) [1]: rank 1: " in r0["error"]["message"]
+    assert r1["error"]["message"] in r0["error"]["message"] or how == "load_state_dict"
+    if how == "load_state_dict":
+        for r in (r0, r1):
+            assert "RuntimeError: load_state_dict exploded" in r["error"]["message"]
+            assert "partly restored" in r["error"]["message"]
+        assert r0["own"] == [0.0] * 16  # restored before rank 1 failed
+        assert r0["model"] == [0.0] * 4
+        assert r1["model"] == [-1.0] * 4
+    else:
+        for r in (r0, r1):
+            assert r["own"] == [-1.0] * 16  # untouched
+            assert r["model"] == [-1.0] * 4
+    assert r0["seconds"] < 10
+    assert r1["seconds"] < 10
+    assert r0["after"] == [0.0] * 16
+    assert r1["after"] == [1.0] * 16

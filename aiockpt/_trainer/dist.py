@@ -248,3 +248,77 @@ def _refuse_disagreement(group: Group, details: list[dict[str, tuple]]) -> None:
 
 def _describe(error: BaseException | None) -> str | None:
     return None if error is None else f"{type(error).__name__}: {error}"
+
+
+#: A rank's say in a load's agreement (see LoadAgreement): the step it read, whether it failed.
+_LOAD_SAY = struct.Struct("<q?")
+
+
+def load_failed(message: str, ranks: list[int]) -> Exception:
+    return CheckpointError(message)
+
+
+class LoadAgreement:
+    """The ranks' two agreements on one load, so that what fails on one rank fails on all.
+
+    ``checked``: once this rank has read and verified its bytes and planned its restore, and
+    before any target changes: a corrupt shard or a mismatch on any rank fails the load on
+    every rank, every target untouched. ``restored``: once the targets are restored (a load
+    into a target only): a module's ``load_state_dict`` raising on one rank is raised on every
+    rank, the targets possibly partly restored. A rank that fails before an agreement still
+    takes part in it (``failed``), saying why, so the ranks stay in step. Without a group of
+    several ranks, each is a no-op."""
+
+    def __init__(self, group: Group | None, step: int | None) -> None:
+        self._group = group if group is not None and group.world_size > 1 else None
+        self._step = step
+        self._stages = ["checked", "restored"]
+
+    def checked(self, step: int) -> None:
+        """Every rank read step ``step`` without error, or raise."""
+        self._agree("checked", step, None)
+
+    def restored(self, step: int) -> None:
+        """Every rank restored step ``step`` without error, or raise."""
+        self._agree("restored", step, None)
+
+    def failed(self, error: Exception) -> None:
+        """Tell the other ranks of ``error`` at the next agreement still to come, and raise
+        what every rank raises then; nothing when none is left."""
+        if self._stages:
+            self._agree(self._stages[0], -1, error)
+
+    def _agree(self, stage: str, step: int, error: Exception | None) -> None:
+        if self._group is None:
+            self._stages.clear()
+            return
+        del self._stages[: self._stages.index(stage) + 1]
+        try:
+            self._gather(stage, step, error)
+        except BaseException:
+            self._stages.clear()  # the ranks are told: no agreement follows a failed one
+            raise
+
+    def _gather(self, stage: str, step: int, error: Exception | None) -> None:
+        assert self._group is not None
+        group = self._group
+        shown = "the latest step" if self._step is None else f"step {self._step}"
+        what = f"the ranks' agreement on the load of {shown}"
+        said = group.all_gather_bytes(_LOAD_SAY.pack(step, error is not None), what, load_failed)
+        everyone = [_LOAD_SAY.unpack(s) for s in said]
+        if any(failed for _, failed in everyone):
+            whys = group.all_gather(_describe(error), what, load_failed)
+            failed = {r: why for r, why in enumerate(whys) if why is not None}
+            if isinstance(error, CheckpointError) and stage == "checked":
+                raise error  # aiockpt's own finding: it names what is wrong
+            raise CheckpointError(
+                f"the load of {shown} failed on rank(s) {sorted(failed)}: "
+                + "; ".join(f"rank {r}: {why}" for r, why in sorted(failed.items()))
+                + ("" if stage == "checked" else " (the targets may be partly restored)")
+            ) from error
+        steps = {r: s for r, (s, _) in enumerate(everyone)}
+        if len(set(steps.values())) != 1:
+            raise CheckpointError(
+                "every rank must load the same step; read "
+                + ", ".join(f"rank {r}: step {s}" for r, s in steps.items())
+            )

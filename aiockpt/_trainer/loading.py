@@ -34,7 +34,6 @@ from .state import (
     StaleFlat,
     _dtensor_type,
     is_stateful,
-    load_into,
     plan_restore,
     unflatten,
 )
@@ -80,11 +79,13 @@ class Loader:
         op = uuid_mod.uuid4().hex
         t0 = time.monotonic()
         self._emit("load.start", uuid=op, step=step)
+        agreement = _dist.LoadAgreement(self.group, step)
         try:
             if step is not None:
                 _check_step(step)
             if into is None:
                 reply, result = await load_fresh(self._lending, step, keys)
+                agreement.checked(reply.step)
             else:
                 required = keys is not None
                 if keys is None and not strict:
@@ -94,10 +95,21 @@ class Loader:
                     # (see WarmReq): 0.1 s of a process's first load at 20k tensors, hidden
                     # behind 0.2 s of flattening the target and making its layout.
                     await self._warm(step)
-                reply, result = await self._load_into(step, into, strict, keys, required, atomic)
+                reply, result = await self._load_into(
+                    step, into, strict, keys, required, atomic, agreement
+                )
+                agreement.restored(reply.step)
         except BaseException as e:
-            self._emit("load.exception", uuid=op, step=step, error=e)
-            raise
+            raised: BaseException = e
+            if isinstance(e, Exception):
+                try:
+                    agreement.failed(e)  # the other ranks learn of it, and raise too
+                except Exception as told:
+                    raised = told
+            self._emit("load.exception", uuid=op, step=step, error=raised)
+            if raised is e:
+                raise
+            raise raised from e
         self._emit(
             "load.end",
             uuid=op,
@@ -116,6 +128,7 @@ class Loader:
         keys: tuple[str, ...] | None,
         required: bool,
         atomic: bool,
+        agreement: _dist.LoadAgreement,
     ) -> tuple[LoadReply, Any]:
         """Restore into existing objects, reading through a warm staging slab when one fits.
 
@@ -141,7 +154,7 @@ class Loader:
             window = self._pool.window_size(layout.file_size)
             if window is not None:  # staged in windows under staging_memory: loaded so too
                 return await self._load_windows(
-                    step, into, strict, keys, required, held, wanted, window, atomic
+                    step, into, strict, keys, required, held, wanted, window, atomic, agreement
                 )
             slab = await self._pool.acquire(layout.file_size, layout.id)
         early = uuid_mod.uuid4().hex if slab is not None else None
@@ -164,21 +177,16 @@ class Loader:
                 assert layout is not None
                 self._pool.reuse_for_load(slab)
                 reply, restored = await self._restore_while_read(
-                    reply, early, slab, layout, into, held, strict, scope
+                    reply, early, slab, layout, into, held, strict, scope, agreement
                 )
             else:  # read into a fresh segment: no slab, or one too small
-                restored = await anyio.to_thread.run_sync(
-                    functools.partial(
-                        load_into,
-                        into,
-                        reply.tree,
-                        map_loaded(reply),
-                        copy=copy_pairs,
-                        held=held,
-                        strict=strict,
-                        scope=scope,
-                    )
+                tensors = map_loaded(reply)
+                plan = functools.partial(
+                    plan_restore, into, reply.tree, tensors, tensors, held, strict, scope
                 )
+                planned = await anyio.to_thread.run_sync(plan)
+                agreement.checked(reply.step)
+                restored = await anyio.to_thread.run_sync(planned.finish, copy_pairs)
             _say_left_out(reply, restored, required)
         finally:
             if slab is not None:
@@ -195,6 +203,7 @@ class Loader:
         held: dict[str, Any],
         strict: bool,
         scope: tuple[str, ...] | None,
+        agreement: _dist.LoadAgreement,
     ) -> tuple[LoadReply, Restored]:
         """A load answered early (see LoadReq.early): the restore is planned against views of
         the slab while the daemon reads into it, everything checked and nothing changed, and
@@ -220,6 +229,7 @@ class Loader:
         # A failure is raised once the slab is the trainer's again; nothing was changed.
         collect = functools.partial(self._lending, step=reply.step, collect=name)
         planned, done = await while_read(collect, plan)
+        agreement.checked(reply.step)
 
         def finish() -> Restored:
             with torch.no_grad():
@@ -251,6 +261,7 @@ class Loader:
         wanted: dict[str, Wanted],
         window: int,
         atomic: bool,
+        agreement: _dist.LoadAgreement,
     ) -> tuple[LoadReply, Any]:
         """Restore into existing objects through two window slabs of the staging pool, so a
         load stays under ``staging_memory`` as a save does (see _windowed)."""
@@ -261,7 +272,9 @@ class Loader:
         try:
             for slab in slabs:
                 self._pool.reuse_for_load(slab)
-            reply, restored = await self._windowed(step, ask, restore, slabs, stream=not atomic)
+            reply, restored = await self._windowed(
+                step, ask, restore, slabs, agreement, stream=not atomic
+            )
         finally:
             self._pool.close_windows(slabs, list(slabs))
         _say_left_out(reply, restored, required)
@@ -273,6 +286,7 @@ class Loader:
         ask: dict[str, Any],
         restore: tuple[Any, dict[str, Any], bool, tuple[str, ...] | None],
         slabs: tuple[Slab, Slab],
+        agreement: _dist.LoadAgreement,
         stream: bool,
     ) -> tuple[LoadReply, Restored]:
         """A load whose bytes come a window at a time, the two ``slabs`` taking turns: each
@@ -294,10 +308,12 @@ class Loader:
         reads = _Windows(self._lending, slabs, ask, reply)
         if stream:  # planned while the first window is read
             plan, _ = await plan_while(reads.first, reply, *restore)
+            agreement.checked(reply.step)
         else:  # planned while every window is read and checked
             checked = functools.partial(self._lending, step=reply.step, collect=name)
             plan, done = await plan_while(checked, reply, *restore)
             reads.read_nbytes = done.read_nbytes
+            agreement.checked(reply.step)
             await reads.first()
         try:
             await reads.copy_into(plan)
