@@ -269,6 +269,9 @@ async def test_a_cancelled_open_leaves_the_root_free(tmp_path):
     async with AsyncCheckpointManager(root):
         pass
     opening = time.monotonic() - t0
+    # Another manager's slab in this process: a cancelled open must leave it be.
+    theirs = f"/aiockpt-{os.getpid()}-slab-another{time.monotonic_ns()}"
+    Segment(theirs, 4096, create=True).close()
     in_open = 0  # runs cancelled while open() ran, not after
     deadline = time.monotonic() + 40
     for _ in range(25):
@@ -285,6 +288,8 @@ async def test_a_cancelled_open_leaves_the_root_free(tmp_path):
             async with AsyncCheckpointManager(root, lease_ttl=60.0):
                 pass
     assert in_open >= 8
+    assert theirs[1:] in os.listdir("/dev/shm")
+    unlink(theirs)
     rec = current(root).record
     assert rec is not None
     assert rec.released

@@ -221,14 +221,13 @@ class SubprocessClient:
                 f"the daemon exited with code {code} before it was ready"
             ) from None
         except BaseException:
-            # Cancelled while the daemon starts (an open() under a deadline): it may have
-            # taken the root's lease. Closing our end tells it we are gone; it then releases
-            # what it took and exits, which we wait for, so the root is free when we return.
+            # Cancelled while the daemon starts (an open() under a deadline): it may take the
+            # root's lease. Stop it as a manager's close would, so that it releases what it
+            # took before we return. (Closing the pipe instead would tell it this process is
+            # gone, and it would unlink this process's shared memory, some of it other
+            # managers'.)
             with anyio.CancelScope(shield=True):
-                chan.close()
-                if await anyio.to_thread.run_sync(_wait_process, proc, start_timeout) is None:
-                    proc.kill()
-                    await anyio.to_thread.run_sync(proc.wait)
+                await _stop_starting(proc, chan, start_timeout)
             raise
         refusal = _refusal(ready)
         if refusal is not None:
@@ -359,6 +358,23 @@ def _refusal(ready: object) -> BaseException | None:
     except ProtocolMismatch as e:
         return DaemonStartError(str(e))
     return None
+
+
+async def _stop_starting(proc: subprocess.Popen[bytes], chan: Channel, timeout: float) -> None:
+    """Stop a daemon whose start was given up: wait for its READY, send Stop, wait for it to
+    exit; kill it if it is not gone within ``timeout``."""
+    with anyio.move_on_after(timeout):
+        try:
+            while isinstance(ready := await chan.recv(), EventMsg):
+                pass
+            if isinstance(ready, Ready) and ready.error is None:
+                chan.send(Stop())
+        except (EOFError, OSError):
+            pass  # it exited already
+    if await anyio.to_thread.run_sync(_wait_process, proc, timeout) is None:
+        proc.kill()
+        await anyio.to_thread.run_sync(proc.wait)
+    chan.close()
 
 
 def _wait_process(proc: subprocess.Popen[bytes], timeout: float) -> int | None:
