@@ -24,7 +24,7 @@ from test_lease import Writer, current, state, write_lease
 
 from aiockpt import AsyncCheckpointManager, CheckpointManager
 from aiockpt._core.catalog import Catalog
-from aiockpt._core.lease import job_identity
+from aiockpt._core.lease import LeaseRecord, job_identity
 from aiockpt._core.protocol import Hello, LeaseSpec
 from aiockpt._core.shm import Segment, unlink
 from aiockpt._trainer.client import _PKG_PARENT, DAEMON_BOOT
@@ -357,10 +357,16 @@ def test_an_unclosed_sync_manager_does_not_hold_the_interpreter(tmp_path):
     assert rec.released
 
 
-def test_a_daemon_whose_trainer_vanished_while_it_started_leaves_nothing_held(tmp_path):
-    """The trainer sends its Hello and is gone before the daemon is ready (killed, or its
-    open() cancelled): the daemon must release the lease it took, and the trainer's slabs."""
+@pytest.mark.parametrize("respawned", [False, True])
+def test_a_daemon_whose_trainer_vanished_while_it_started_leaves_nothing_held(tmp_path, respawned):
+    """The trainer sends its Hello and is gone before the daemon is ready (killed while its
+    first daemon, or one replacing a dead one, starts): the daemon must release the lease it
+    took or resumed, and the trainer's slabs."""
     root = str(tmp_path / "run")
+    if respawned:  # the lease its dead predecessor held for this manager
+        now = time.time()
+        held = LeaseRecord("a trainer that vanished", "h", 1, now, now + 60, 1, 60.0)
+        write_lease(root, held.encode())
     slab = f"/aiockpt-{os.getpid()}-slab-vanished{time.monotonic_ns()}"
     Segment(slab, 4096, create=True).close()  # a slab the trainer was filling
     try:
