@@ -214,32 +214,46 @@ def _pid_ns() -> str:
 def process_start(pid: int) -> int | None:
     """Process ``pid``'s start time in clock ticks since boot; None when no process of that
     pid runs (none, or a zombie: killed and not yet reaped) or it cannot be told."""
+    return _process(pid)[0]
+
+
+#: ``PF_EXITING`` in the flags of /proc/PID/stat: the process has begun to exit.
+_PF_EXITING = 0x4
+
+
+def _process(pid: int) -> tuple[int | None, bool]:
+    """Process ``pid``'s start time (None: no such process runs) and whether it is exiting."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             stat = f.read()
     except OSError:
-        return None
+        return None, False
     fields = stat.rpartition(")")[2].split()  # the name, in parentheses, may hold spaces
-    if len(fields) < 20 or not fields[19].isdigit():
-        return None
+    if len(fields) < 20 or not fields[19].isdigit() or not fields[6].isdigit():
+        return None, False
+    start, exiting = int(fields[19]), bool(int(fields[6]) & _PF_EXITING)
     if fields[0] in ("Z", "X", "x"):
         # Killed. Its main thread is a zombie as soon as it exits, but the process is not
         # gone (not a single syscall of it left running) until every other thread is too.
         try:
-            return None if len(os.listdir(f"/proc/{pid}/task")) <= 1 else int(fields[19])
+            return (None, False) if len(os.listdir(f"/proc/{pid}/task")) <= 1 else (start, True)
         except OSError:
-            return None
-    return int(fields[19])
+            return None, False
+    return start, exiting
 
 
-def _gone(pid: int, start: int) -> bool:
-    """Whether the process that was ``pid``, started at ``start``, no longer runs."""
-    now = process_start(pid)
-    return now is None or (start != 0 and now != start)
+def _state(pid: int, start: int) -> str:
+    """Whether the process that was ``pid``, started at ``start`` (0: unknown), is gone, is
+    exiting (killed, its teardown under way: a large process takes seconds) or runs."""
+    now, exiting = _process(pid)
+    if now is None or (start != 0 and now != start):
+        return "gone"
+    return "exiting" if exiting else "running"
 
 
 #: What :func:`supersedes` decides about a live holder: taken at once, waited for a moment
-#: (its training process is gone, its daemon still finishes staged saves), or refused.
+#: (its training process is exiting, or gone while its daemon still finishes staged saves),
+#: or refused.
 GONE, DRAINING, LIVE = "gone", "draining", "live"
 
 
@@ -266,10 +280,13 @@ def supersedes(me: Claimant, rec: LeaseRecord) -> tuple[str, str]:
     )
     if not same_host or rec.trainer_pid == 0:
         return LIVE, ""
-    if not _gone(rec.trainer_pid, rec.trainer_start):
+    trainer = _state(rec.trainer_pid, rec.trainer_start)
+    if trainer == "running":
         return LIVE, ""
+    if trainer == "exiting":
+        return DRAINING, f"its training process (pid {rec.trainer_pid} on this host) is exiting"
     why = f"its training process (pid {rec.trainer_pid} on this host) is gone"
-    if not _gone(rec.pid, rec.daemon_start):
+    if _state(rec.pid, rec.daemon_start) != "gone":
         return DRAINING, f"{why}; its daemon (pid {rec.pid}) is still finishing its saves"
     return GONE, why
 
