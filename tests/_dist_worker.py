@@ -263,6 +263,58 @@ async def load_failures(rank: int, world: int, root: str, how: str) -> dict:
     return result
 
 
+class _Collective:
+    """A stateful object whose ``load_state_dict()`` runs an all_reduce, as a module whose
+    load synchronises its ranks does; it notes whether the ranks were restoring it too."""
+
+    def __init__(self, name: str, seen: list) -> None:
+        self.name, self.seen = name, seen
+        self.w = torch.zeros(4)
+
+    def state_dict(self) -> dict:
+        return {"w": self.w}
+
+    def load_state_dict(self, sd: dict) -> None:
+        import torch.distributed as dist
+
+        mine = torch.tensor([float(ord(self.name))])
+        low, high = mine.clone(), mine.clone()
+        dist.all_reduce(low, op=dist.ReduceOp.MIN)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        self.seen.append([self.name, low.item() == high.item()])
+        self.w.copy_(sd["w"])
+
+
+class _Drawing(_Collective):
+    """One that also draws from a generator as it loads (an initialisation, say)."""
+
+    def __init__(self, name: str, seen: list, gen: torch.Generator) -> None:
+        super().__init__(name, seen)
+        self.gen = gen
+
+    def load_state_dict(self, sd: dict) -> None:
+        super().load_state_dict(sd)
+        torch.rand(8, generator=self.gen)
+
+
+async def key_orders(rank: int, world: int, root: str) -> dict:
+    """The ranks hold the same keys in different orders; restoring runs collectives."""
+    seen: list = []
+    gen = torch.Generator().manual_seed(rank)
+    parts = {name: _Collective(name, seen) for name in "abcd"}
+    parts["e"] = _Drawing("e", seen, gen)
+    names = "abcde" if rank % 2 == 0 else "edcba"
+    state = {"rng": gen, "parts": {name: parts[name] for name in names}}
+    if rank % 2:
+        state = {"parts": state["parts"], "rng": gen}
+    async with AsyncCheckpointManager(root, dist_timeout=60) as mgr:
+        await (await mgr.save(1, state))
+        expected = torch.rand(4, generator=gen).tolist()  # what the saved state draws next
+        await mgr.load(1, into=state)
+        drawn = torch.rand(4, generator=gen).tolist()
+    return {"seen": seen, "rng_restored": drawn == expected}
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
@@ -273,6 +325,7 @@ SCENARIOS = {
         late_refusal,
         state_dict_raises,
         late_rank,
+        key_orders,
     )
 }
 

@@ -182,3 +182,15 @@ def test_a_load_failing_on_one_rank_fails_on_every_rank(tmp_path, how):
     assert r1["seconds"] < 10
     assert r0["after"] == [0.0] * 16
     assert r1["after"] == [1.0] * 16
+
+
+def test_restore_order_is_the_same_on_every_rank_and_generators_come_last(tmp_path):
+    """Two ranks hold the same keys in different orders, and each module's load_state_dict
+    runs collectives: every rank restores them in one order (by key path), so each
+    collective meets its counterpart; a generator is restored after the modules, so one
+    drawing from it as it loads leaves the restored state as saved."""
+    root = str(tmp_path / "run")
+    r0, r1 = run_ranks("key_orders", 2, tmp_path, root, timeout=60)
+    for r in (r0, r1):
+        assert r["seen"] == [[name, True] for name in "abcde"]
+        assert r["rng_restored"]

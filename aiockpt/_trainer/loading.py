@@ -24,6 +24,7 @@ from ..errors import CheckpointError, CorruptCheckpointError, InvalidStepError
 from ..events import logger
 from . import dist as _dist
 from .ledger import Emit
+from .restore_order import plan_restore
 from .staging import Layout, LayoutCache, Slab, SlabPool, copy_pairs, typed_views
 from .state import (
     ST_TO_TORCH,
@@ -34,7 +35,6 @@ from .state import (
     StaleFlat,
     _dtensor_type,
     is_stateful,
-    plan_restore,
     unflatten,
 )
 
