@@ -77,7 +77,14 @@ def manifest_path(root: str) -> str:
     return os.path.join(root, STEP, fmt.MANIFEST)
 
 
-def flip_tensor_byte(root: str, shard: str, name: str) -> None:
+def shard_file(root: str, rank: int) -> str:
+    """Rank ``rank``'s shard file, as the manifest names it."""
+    with open(manifest_path(root)) as f:
+        return next(s["file"] for s in json.load(f)["shards"] if s["rank"] == rank)
+
+
+def flip_tensor_byte(root: str, rank: int, name: str) -> None:
+    shard = shard_file(root, rank)
     with open(manifest_path(root)) as f:
         start, _ = json.load(f)["tensors"][shard][name]["byte_range"]
     flip_byte(os.path.join(root, STEP, shard), start + 1)
@@ -275,24 +282,24 @@ def test_sizes_parse_in_decimal_and_binary_units():
 
 
 def test_a_corrupt_chunk_fails_the_export_and_leaves_nothing(copy_of, tmp_path):
-    flip_tensor_byte(copy_of, fmt.shard_filename(1), "extra/cols")
+    flip_tensor_byte(copy_of, 1, "extra/cols")
     outs = tmp_path / "outs"
     outs.mkdir()
     for extra in ([], ["--max-shard-size", "40B"]):
         r = aiockpt("export", copy_of, str(outs / "x"), "--step", "1", "--prefix", "extra", *extra)
         assert r.returncode == 1
         assert (
-            "shard_r00001.safetensors: the chunk of 'extra/cols' at [0, 4] failed its crc32c"
+            f"{shard_file(copy_of, 1)}: the chunk of 'extra/cols' at [0, 4] failed its crc32c"
             in r.stderr
         )
         assert os.listdir(outs) == []
 
 
 def test_a_corrupt_plain_tensor_fails_the_export(copy_of, tmp_path):
-    flip_tensor_byte(copy_of, fmt.shard_filename(0), "extra/half")
+    flip_tensor_byte(copy_of, 0, "extra/half")
     r = aiockpt("export", copy_of, str(tmp_path / "x"), "--step", "1", "--prefix", "extra")
     assert r.returncode == 1
-    assert "shard_r00000.safetensors: tensor 'extra/half' failed its crc32c check" in r.stderr
+    assert f"{shard_file(copy_of, 0)}: tensor 'extra/half' failed its crc32c check" in r.stderr
     assert not (tmp_path / "x").exists()
 
 
@@ -347,10 +354,10 @@ def test_verify_checks_every_chunk_block_crc(copy_of):
 
 
 def test_verify_names_the_tensor_whose_chunk_bytes_flipped(copy_of):
-    flip_tensor_byte(copy_of, fmt.shard_filename(1), "extra/cols")
+    flip_tensor_byte(copy_of, 1, "extra/cols")
     r = aiockpt("verify", copy_of)
     assert r.returncode == 1
-    shard = f"{STEP}/{fmt.shard_filename(1)}"
+    shard = f"{STEP}/{shard_file(copy_of, 1)}"
     assert r.stdout.splitlines() == [
         "step 1: CORRUPT",
         f"  {shard}: whole-file crc32c mismatch",
