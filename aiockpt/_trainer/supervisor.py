@@ -29,6 +29,10 @@ from .staging import SlabPool
 Connect = Callable[[Hello, DaemonCallbacks], Awaitable[DaemonClient]]
 
 
+#: Seconds a daemon found dead waits for its reader to deliver what it sent before it died.
+_READER_GRACE = 10.0
+
+
 class _Life:
     """One daemon's life, as the supervisor sees it: ``over`` once its death was handled."""
 
@@ -128,13 +132,19 @@ class Supervisor:
         if d is not None and d.alive:
             return d
         if d is not None and self._life is not None and not self._life.over:
-            # Dead before its reader noticed (the loop was busy elsewhere): its saves fail
-            # now, before the next daemon gets any, so that none of the next one's do.
-            err = DaemonDiedError(
-                f"the checkpoint daemon (pid {d.pid}) died with exit code {d.exit_code}",
-                exit_code=d.exit_code,
-            )
-            await self._gone(self._life, err, False)
+            # Dead before its reader noticed (the loop was busy elsewhere). Let the reader
+            # deliver what the daemon sent before it died (a save it committed), then see the
+            # end of the pipe; so its death is handled before the next daemon gets any save.
+            life = self._life
+            with anyio.move_on_after(_READER_GRACE):
+                while not life.over:
+                    await anyio.sleep(0.005)
+            if not life.over:  # (the reader is stuck: handle the death here)
+                err = DaemonDiedError(
+                    f"the checkpoint daemon (pid {d.pid}) died with exit code {d.exit_code}",
+                    exit_code=d.exit_code,
+                )
+                await self._gone(life, err, False)
         async with self._lock:
             d = self.current
             if d is None or not d.alive:
@@ -161,7 +171,8 @@ class Supervisor:
         assert self._tg is not None, "start() comes first"
         life = _Life()
         callbacks = DaemonCallbacks(
-            slab_free=self._pool.release,
+            # A slab a dead daemon freed is free already, and may be lent again since.
+            slab_free=lambda name: None if life.over else self._pool.release(name),
             save_done=self._ledger.save_done,
             event=self._relay,
             gone=functools.partial(self._gone, life),
