@@ -169,6 +169,64 @@ def parse_header(head: bytes, file_size: int, *, path: str) -> tuple[int, dict[s
     return data_start, specs
 
 
+def header_length(first: bytes, nbytes: int, *, path: str) -> int:
+    """The size of a shard's header (its 8-byte length and the JSON), from its first bytes;
+    a length the shard cannot hold is refused."""
+    if len(first) < 8:
+        raise CorruptCheckpointError(f"{path}: shard shorter than its header length", path=path)
+    (n,) = struct.unpack("<Q", first[:8])
+    if n > MAX_HEADER_BYTES or 8 + n > nbytes:
+        raise CorruptCheckpointError(f"{path}: shard header length {n} is out of range", path=path)
+    return 8 + n
+
+
+def check_header_agrees(head: bytes, tensors: ShardTensors, *, path: str) -> None:
+    """Refuse a shard whose own safetensors header (``head``, all of it) says something else
+    of a tensor than the manifest does: its dtype, its shape or where its bytes lie.
+
+    The tensors' crc32c cover their bytes, not what the bytes mean: a dtype changed to one
+    of the same size (F32 to I32), or a shape to another of the same size, in either the
+    header or the manifest, would pass them. The two descriptions are written together and
+    must agree. (The padding before the first DTensor chunk is in the header alone.)"""
+
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{path}: the shard's header and the manifest disagree: {why}", path=path
+        )
+
+    try:
+        header = json.loads(head[8:])
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise bad(f"the header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise bad("the header is not an object")
+    start = len(head)
+    raw = tensors.raw_entries()
+    names = [n for n in header if n not in ("__metadata__", PAD_NAME)]
+    if len(names) != len(raw):
+        extra = sorted(set(names) - set(raw)) or sorted(set(raw) - set(names))
+        raise bad(f"tensor {_short(extra[0] if extra else '?')} is in one of them only")
+    for name, entry in raw.items():
+        h = header.get(name)
+        if not isinstance(h, dict) or not isinstance(entry, dict):
+            raise bad(f"tensor {name!r} is not in the header")
+        offsets = h.get("data_offsets")
+        span = entry.get("byte_range")
+        if (
+            h.get("dtype") != entry.get("dtype")
+            or h.get("shape") != entry.get("shape")
+            or not isinstance(offsets, list)
+            or not isinstance(span, list)
+            or len(offsets) != 2
+            or [o + start if type(o) is int else o for o in offsets] != span
+        ):
+            raise bad(
+                f"tensor {name!r}: header {_short(h)}, manifest dtype "
+                f"{_short(entry.get('dtype'))} shape {_short(entry.get('shape'))} bytes "
+                f"{_short(span)}"
+            )
+
+
 def _check_disjoint(ranges: list[tuple[int, int, str]], path: str) -> None:
     """Refuse tensors whose byte ranges (start, end, name) overlap: loaded views of them would
     alias each other."""
@@ -296,6 +354,10 @@ class ShardTensors(Mapping[str, TensorRecord]):
                 self._file, name, entry, self._limit, self._path
             )
         return rec
+
+    def raw_entries(self) -> Mapping[str, Any]:
+        """The entries as the manifest has them, unchecked (see check_header_agrees)."""
+        return self._raw
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._raw)

@@ -39,6 +39,8 @@ from ..errors import (
 from .reshard import OUT_ALIGN, Assembler, out_offsets, wanted_box
 from .shared import Slabs
 
+#: The first read of a shard's header: enough for the header of a few hundred tensors.
+HEADER_PEEK = 64 * 1024
 #: Loads read this much at a time, checksumming what was read while the next chunk comes.
 LOAD_CHUNK = 64 * 1024 * 1024
 
@@ -764,6 +766,8 @@ class Reader:
         #: trainer then asks for one at a time are read by the same plan, not planned again
         #: (listing the steps, reading the manifest, checking the shard, for each window).
         self._windowed: tuple[tuple[Any, ...], _Windowed] | None = None
+        #: The manifest and rank whose shard header was last checked against it.
+        self._header_checked: tuple[fmt.Manifest, int] | None = None
         self._streams = _Streams()
         self.early = _Early()
         self._runs = _Runs()
@@ -891,7 +895,28 @@ class Reader:
         smap = self.catalog.shard_map(step, m.shard_of(rank))
         where = self.catalog.where(path)
         self._check_tree(m, rank, shard, where)
+        self._check_header(m, rank, path, shard, where)
         return step, m, rank, shard, smap, where
+
+    def _check_header(
+        self, m: fmt.Manifest, rank: int, path: str, shard: fmt.ShardTensors, where: str
+    ) -> None:
+        """Check that ``rank``'s shard file says of its tensors what ``m`` does (see
+        format.check_header_agrees), unless it was the last checked. The header is always
+        in the shard's own file, at its start."""
+        checked = self._header_checked
+        if checked is not None and checked[0] is m and checked[1] == rank:
+            return
+        nbytes = m.shard_of(rank).file_size
+        first = self.storage.read_range(path, 0, min(nbytes, HEADER_PEEK))
+        end = fmt.header_length(first, nbytes, path=where)
+        head = (
+            first[:end]
+            if end <= len(first)
+            else first + self.storage.read_range(path, len(first), end)
+        )
+        fmt.check_header_agrees(head, shard, path=where)
+        self._header_checked = (m, rank)
 
     @no_gc
     def warm(self, step: int | None, rank: int, world_size: int) -> None:
