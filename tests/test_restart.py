@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from dataclasses import replace
 from multiprocessing import Pipe
@@ -444,3 +445,33 @@ def test_the_job_identity_comes_from_the_argument_or_the_environment(
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert job_identity(explicit) == identity
+
+
+def test_a_daemon_outliving_its_killed_trainer_is_waited_for(tmp_path):
+    """The training process is gone but its daemon still runs (it finishes what was staged,
+    then releases the lease and exits): a new writer on the host waits for it rather than
+    refuse, and gets the root once it is gone."""
+    root = str(tmp_path / "run")
+    trainer = subprocess.Popen([sys.executable, "-c", "pass"])
+    trainer.wait()
+    daemon = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lease = json.loads(lease_of(trainer.pid, 1))
+        lease.update(pid=daemon.pid, daemon_start=start_ticks(daemon.pid))
+        write_lease(root, json.dumps(lease).encode())
+        t0 = time.monotonic()
+        threading.Timer(1.0, daemon.kill).start()
+
+        async def reopen() -> tuple[float, list]:
+            events: list = []
+            async with AsyncCheckpointManager(root, event_handlers=[events.append]):
+                return time.monotonic() - t0, events
+
+        opened, events = anyio.run(reopen)
+    finally:
+        daemon.kill()
+        daemon.wait()
+    assert 1.0 < opened < 10, opened
+    taken = [e for e in events if e.name == "lease.takeover"]
+    assert len(taken) == 1
+    assert f"pid {trainer.pid}" in taken[0].detail
