@@ -263,9 +263,10 @@ class LoadAgreement:
 
     ``checked``: once this rank has read and verified its bytes and planned its restore, and
     before any target changes: a corrupt shard or a mismatch on any rank fails the load on
-    every rank, every target untouched. ``restored``: once the targets are restored (a load
-    into a target only): a module's ``load_state_dict`` raising on one rank is raised on every
-    rank, the targets possibly partly restored. A rank that fails before an agreement still
+    every rank, every target untouched. ``restored``: once the targets are restored (at once,
+    for a load without one, so that every load runs both, whatever each rank loads into): a
+    module's ``load_state_dict`` raising on one rank is raised on every rank, the targets
+    possibly partly restored. A rank that fails before an agreement still
     takes part in it (``failed``), saying why, so the ranks stay in step. Without a group of
     several ranks, each is a no-op."""
 

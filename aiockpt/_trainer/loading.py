@@ -86,6 +86,7 @@ class Loader:
             if into is None:
                 reply, result = await load_fresh(self._lending, step, keys)
                 agreement.checked(reply.step)
+                agreement.restored(reply.step)  # in step with ranks restoring into a target
             else:
                 required = keys is not None
                 if keys is None and not strict:
