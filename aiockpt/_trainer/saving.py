@@ -71,7 +71,7 @@ class Saver:
         except CheckpointError as e:
             refused = e
         except Exception as e:
-            if group is None:
+            if group is None or group.world_size == 1:
                 raise
             refused = e  # every rank must still come to the agreement, and learn of it
         if group is not None:
