@@ -1,6 +1,6 @@
 """A writer in a process of its own, for the lease tests: ``ROOT TTL``; it opens a manager with
-LatestN(1) retention, then reads commands from stdin (``save STEP``, ``close``) and answers
-each with one JSON line on stdout.
+LatestN(1) retention, then reads commands from stdin (``save STEP``, ``stage STEP MIB``,
+``close``) and answers each with one JSON line on stdout.
 
 Also a rank of a multi-rank run: ``SCENARIO RANK WORLD STORE ROOT OUT ARGS`` (see run_ranks).
 """
@@ -32,6 +32,10 @@ async def writer(root: str, ttl: float) -> None:
             if not cmd or cmd[0] == "close":
                 break
             step = int(cmd[1])
+            if cmd[0] == "stage":  # ``stage STEP MIB``: staged, not waited for
+                await mgr.save(step, {"w": torch.ones(int(cmd[2]) << 18)})
+                say({"staged": step})
+                continue
             try:
                 await (await mgr.save(step, {"w": torch.full((4,), float(step))}))
                 say({"saved": step})

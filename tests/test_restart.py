@@ -475,3 +475,31 @@ def test_a_daemon_outliving_its_killed_trainer_is_waited_for(tmp_path):
     taken = [e for e in events if e.name == "lease.takeover"]
     assert len(taken) == 1
     assert f"pid {trainer.pid}" in taken[0].detail
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP])
+def test_ctrl_c_or_a_closed_terminal_costs_no_staged_save(tmp_path, sig):
+    """Ctrl-C (SIGINT) and a terminal's hang-up (SIGHUP) go to the whole foreground process
+    group, the daemon with its trainer: the trainer stops, and the daemon commits what it was
+    given, as when its trainer dies any other way."""
+    root = str(tmp_path / "run")
+    first = Writer(root, ttl=60.0)
+    daemon = first.ready["daemon"]
+    assert first.ask("stage 1 64") == {"staged": 1}
+    first.signal(sig)
+    first.proc.stdin.close()  # type: ignore[union-attr]
+    first.proc.wait(30)
+    first.close()
+    deadline = time.monotonic() + 30
+    while start_ticks_or_none(daemon) is not None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert Catalog(open_storage(root)).committed_steps() == [1]
+
+
+def start_ticks_or_none(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except FileNotFoundError:
+        return None
+    return None if stat[0] in "ZX" else int(stat[19])

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import signal
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -268,6 +269,11 @@ def main(argv: list[str]) -> int:
     pipe = PipeEnd(Connection(int(argv[1])))
     with contextlib.suppress(AttributeError, OSError):
         os.nice(10)  # the trainer comes first; measured: trainer CPU share up when contended
+    # The daemon shares its trainer's process group, so Ctrl-C and a terminal's hang-up reach
+    # it too. Its life is its pipe's: it ends when the trainer stops it, or is gone (having
+    # first committed what it was given), never in the middle of a save on their account.
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     daemon = None
     try:
         hello = pipe.recv()
