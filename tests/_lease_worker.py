@@ -24,7 +24,10 @@ def say(obj: dict) -> None:
 
 
 async def writer(root: str, ttl: float) -> None:
-    async with AsyncCheckpointManager(root, retention=LatestN(1), lease_ttl=ttl) as mgr:
+    on_sigterm = os.environ.get("LEASE_WORKER_ON_SIGTERM")  # "flush" to test preemption
+    async with AsyncCheckpointManager(
+        root, retention=LatestN(1), lease_ttl=ttl, on_sigterm=on_sigterm
+    ) as mgr:
         say({"ready": True, "daemon": mgr.daemon_pid})
         while True:
             line = await anyio.to_thread.run_sync(sys.stdin.readline)

@@ -503,3 +503,19 @@ def start_ticks_or_none(pid: int) -> int | None:
     except FileNotFoundError:
         return None
     return None if stat[0] in "ZX" else int(stat[19])
+
+
+def test_sigterm_to_the_whole_job_still_flushes(tmp_path):
+    """Schedulers that preempt by signalling every process of the job (Slurm's scancel, a
+    killpg) reach the daemon too: with on_sigterm="flush", what was staged still commits, and
+    the lease is released for the restart."""
+    root = str(tmp_path / "run")
+    first = Writer(root, ttl=60.0, env={"LEASE_WORKER_ON_SIGTERM": "flush"})
+    assert first.ask("stage 1 64") == {"staged": 1}
+    first.signal(signal.SIGTERM)
+    assert first.proc.wait(30) == -signal.SIGTERM
+    first.close()
+    assert Catalog(open_storage(root)).committed_steps() == [1]
+    rec = current(root).record
+    assert rec is not None
+    assert rec.released

@@ -269,10 +269,12 @@ def main(argv: list[str]) -> int:
     pipe = PipeEnd(Connection(int(argv[1])))
     with contextlib.suppress(AttributeError, OSError):
         os.nice(10)  # the trainer comes first; measured: trainer CPU share up when contended
-    # The daemon shares its trainer's process group, so Ctrl-C and a terminal's hang-up reach
-    # it too. Its life is its pipe's: it ends when the trainer stops it, or is gone (having
-    # first committed what it was given), never in the middle of a save on their account.
-    for sig in (signal.SIGINT, signal.SIGHUP):
+    # The daemon shares its trainer's process group and job, so Ctrl-C, a terminal's hang-up
+    # and a scheduler's SIGTERM to every process of the job (Slurm's scancel, a killpg) reach
+    # it too. Its life is its pipe's: it ends when the trainer stops it (on_sigterm="flush"
+    # does, once what was staged has committed) or is gone (it first commits what it was
+    # given), never in the middle of a save on their account. SIGKILL still ends it.
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     daemon = None
     try:
