@@ -9,6 +9,7 @@ import functools
 import json
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -315,6 +316,25 @@ async def key_orders(rank: int, world: int, root: str) -> dict:
     return {"seen": seen, "rng_restored": drawn == expected}
 
 
+async def dead_rank(rank: int, world: int, root: str) -> dict:
+    """The last rank's process ends abruptly before a save: the others name it."""
+    result: dict = {}
+    async with AsyncCheckpointManager(root, dist_timeout=30) as mgr:
+        if rank == world - 1:
+            with open(sys.argv[6], "w") as f:  # this rank's OUT: it says nothing more
+                json.dump(result, f)
+            os._exit(0)
+        time.sleep(1.0)  # past its death
+        t0 = time.monotonic()
+        try:
+            await (await mgr.save(1, state_for(rank)))
+            result["error"] = None
+        except Exception as e:
+            result["error"] = err(e)
+        result["seconds"] = time.monotonic() - t0
+    return result
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
@@ -326,6 +346,7 @@ SCENARIOS = {
         state_dict_raises,
         late_rank,
         key_orders,
+        dead_rank,
     )
 }
 

@@ -155,6 +155,15 @@ def test_a_rank_late_past_dist_timeout_is_named_by_the_others(tmp_path):
     assert not os.path.exists(os.path.join(root, "step_000000000001", "manifest.json"))
 
 
+def test_a_rank_gone_before_a_save_is_named_by_the_others(tmp_path):
+    root = str(tmp_path / "run")
+    r0, _ = run_ranks("dead_rank", 2, tmp_path, root, timeout=60)
+    assert r0["error"]["type"] == "DistributedSaveError", r0
+    assert r0["error"]["ranks"] == [1]
+    assert "rank(s) [1] did not answer" in r0["error"]["message"]
+    assert r0["seconds"] < 5 + 1.5  # the wait for the others' marks, not dist_timeout
+
+
 @pytest.mark.parametrize("how", ["corrupt", "missing", "load_state_dict"])
 def test_a_load_failing_on_one_rank_fails_on_every_rank(tmp_path, how):
     """Rank 1's shard is corrupt, or its target holds a key the checkpoint lacks: every rank

@@ -87,18 +87,19 @@ class Group:
             else:
                 work.wait(timeout=timedelta(seconds=self.timeout))
         except RuntimeError as e:
-            if "timed out" not in str(e).lower():
-                raise fail(f"{what} failed between the ranks: {e}", []) from e
             late = self._late(seq)
-            raise fail(
-                f"{what}: rank(s) {late} did not join the other ranks within dist_timeout="
-                f"{self.timeout:g} s",
-                late,
-            ) from None
+            if "timed out" in str(e).lower():
+                raise fail(
+                    f"{what}: rank(s) {late} did not join the other ranks within "
+                    f"dist_timeout={self.timeout:g} s",
+                    late,
+                ) from None
+            gone = f" (rank(s) {late} did not answer)" if late else ""
+            raise fail(f"{what} failed between the ranks{gone}: {e}", late) from e
 
     def _late(self, seq: int) -> list[int]:
-        """The ranks that did not get to collective ``seq``, by the marks the ranks that timed
-        out in it leave in the group's store (each waits a moment for the others' marks)."""
+        """The ranks that did not get to collective ``seq`` (late, or gone), by the marks the
+        ranks it failed on leave in the group's store (each waits a moment for the others')."""
         from .storeproxy import group_store
 
         store = group_store(self.pg)
