@@ -164,33 +164,35 @@ def test_a_rank_gone_before_a_save_is_named_by_the_others(tmp_path):
     assert r0["seconds"] < 5 + 1.5  # the wait for the others' marks, not dist_timeout
 
 
-@pytest.mark.parametrize("how", ["corrupt", "missing", "load_state_dict"])
-def test_a_load_failing_on_one_rank_fails_on_every_rank(tmp_path, how):
-    """Rank 1's shard is corrupt, or its target holds a key the checkpoint lacks: every rank
-    raises, every target untouched. Rank 1's module refuses its state: every rank raises,
-    naming rank 1."""
+@pytest.mark.parametrize(
+    ("how", "world"),
+    [("corrupt", 2), ("corrupt", 4), ("missing", 2), ("load_state_dict", 2)],
+)
+def test_a_load_failing_on_one_rank_fails_on_every_rank(tmp_path, how, world):
+    """The last rank's shard is corrupt, or its target holds a key the checkpoint lacks:
+    every rank raises, every target untouched. Its module refuses its state: every rank
+    raises, naming it."""
     root = str(tmp_path / "run")
-    r0, r1 = run_ranks(f"load_fails_{how}", 2, tmp_path, root, timeout=60)
+    *others, last = run_ranks(f"load_fails_{how}", world, tmp_path, root, timeout=90)
+    n = world - 1
     own = {"corrupt": "CorruptCheckpointError", "missing": "LoadMismatchError"}
-    assert r1["error"]["type"] == own.get(how, "CheckpointError"), r1
-    assert r0["error"]["type"] == "CheckpointError", r0
-    assert "failed on rank(s) [1]: rank 1: " in r0["error"]["message"]
-    assert r1["error"]["message"] in r0["error"]["message"] or how == "load_state_dict"
-    if how == "load_state_dict":
-        for r in (r0, r1):
-            assert "RuntimeError: load_state_dict exploded" in r["error"]["message"]
-            assert "partly restored" in r["error"]["message"]
-        assert r0["own"] == [0.0] * 16  # restored before rank 1 failed
-        assert r0["model"] == [0.0] * 4
-        assert r1["model"] == [-1.0] * 4
-    else:
-        for r in (r0, r1):
+    assert last["error"]["type"] == own.get(how, "CheckpointError"), last
+    for r in others:
+        assert r["error"]["type"] == "CheckpointError", r
+        assert f"failed on rank(s) [{n}]: rank {n}: " in r["error"]["message"]
+        if how != "load_state_dict":
+            assert last["error"]["message"] in r["error"]["message"]
+    for rank, r in enumerate([*others, last]):
+        if how != "load_state_dict":
             assert r["own"] == [-1.0] * 16  # untouched
             assert r["model"] == [-1.0] * 4
-    assert r0["seconds"] < 10
-    assert r1["seconds"] < 10
-    assert r0["after"] == [0.0] * 16
-    assert r1["after"] == [1.0] * 16
+        else:
+            assert "RuntimeError: load_state_dict exploded" in r["error"]["message"]
+            assert "partly restored" in r["error"]["message"]
+            assert r["own"] == [float(rank)] * 16  # restored before the module refused
+            assert r["model"] == ([-1.0] if rank == n else [float(rank)]) * 4
+        assert r["seconds"] < 10
+        assert r["after"] == [float(rank)] * 16
 
 
 def test_restore_order_is_the_same_on_every_rank_and_generators_come_last(tmp_path):
