@@ -105,7 +105,7 @@ class Group:
         store = group_store(self.pg)
         if store is None:
             return []
-        prefix = f"aiockpt/late/{seq}/r"
+        prefix = f"aiockpt/late/{getattr(self.pg, 'group_name', '')}/{seq}/r"
         try:
             store.set(f"{prefix}{self.rank}", b"1")
             deadline = time.monotonic() + min(_MARK_WAIT, self.timeout or _MARK_WAIT)
