@@ -93,8 +93,11 @@ def open_root(url: str, options: dict[str, Any]) -> Catalog:
         raise UsageError(f"cannot open {url}: {e}") from None
 
 
-def scan(catalog: Catalog, url: str, *, steps: Sequence[int] | None = None) -> Root:
-    """The step directories of a root; manifests are read for ``steps`` (all when None)."""
+def scan(
+    catalog: Catalog, url: str, *, steps: Sequence[int] | None = None, heads: bool = False
+) -> Root:
+    """The step directories of a root; manifests are read for ``steps`` (all when None),
+    only their heads with ``heads`` (a listing: see Catalog.read_head)."""
     try:
         listed = catalog.listed_steps()
     except CheckpointError as e:
@@ -107,15 +110,17 @@ def scan(catalog: Catalog, url: str, *, steps: Sequence[int] | None = None) -> R
             continue
         entry = Entry(step)
         if steps is None or step in steps:
-            read_entry(catalog, entry)
+            read_entry(catalog, entry, head=heads)
         committed.append(entry)
     return Root(catalog, url, committed, partials)
 
 
-def read_entry(catalog: Catalog, entry: Entry) -> None:
-    """Read the entry's manifest, or why it cannot be read."""
+def read_entry(catalog: Catalog, entry: Entry, *, head: bool = False) -> None:
+    """Read the entry's manifest (its head alone with ``head``), or why it cannot be read."""
     try:
-        entry.manifest = catalog.read_manifest(entry.step)
+        entry.manifest = (
+            catalog.read_head(entry.step) if head else catalog.read_manifest(entry.step)
+        )
     except CheckpointError as e:  # corrupt, or gone since it was listed
         entry.error = str(e)
 
@@ -234,7 +239,7 @@ class Progress:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     """``aiockpt ls``: the committed checkpoints, as a table or JSON lines."""
-    root = scan(open_root(args.root, args.storage_options), args.root)
+    root = scan(open_root(args.root, args.storage_options), args.root, heads=True)
     if not root.committed:
         # A root that is not there is most likely a typo; an empty one is a fresh run.
         if not root.partials and not root.catalog.storage.exists(""):

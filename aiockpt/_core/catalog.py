@@ -13,6 +13,7 @@ untrusted: manifests are size-checked before they are read and validated as they
 from __future__ import annotations
 
 import errno
+import json
 from collections.abc import Callable, Collection, Iterable, Mapping
 
 import crc32c
@@ -25,8 +26,37 @@ from .blocks import ShardMap
 
 __all__ = ["MAX_MANIFEST_BYTES", "VERIFY_CHUNK", "Catalog", "ShardCrcs"]
 
-#: A manifest larger than this is refused before it is read.
+#: A manifest larger than this is refused before it is read. The largest legitimate ones are
+#: those of distributed tensors, whose chunks list a crc32c per 64 KiB (about 11 bytes each):
+#: 1 GiB holds the tables of about 6 TB of such state, or 8 million plain tensors.
 MAX_MANIFEST_BYTES = 1 << 30
+#: Listings and retention read a manifest's head (its step, times, shards, metrics and
+#: metadata) from at most this many of its first bytes (see Catalog.manifest_head).
+HEAD_BYTES = 16 << 20
+#: The first read of a manifest's head.
+HEAD_PEEK = 64 << 10
+#: How many places a head may be cut at before a manifest is read whole or refused.
+_HEAD_TRIES = 4
+
+
+def _cut_head(data: bytes) -> bytes | None:
+    """The manifest's head, cut before its ``"tensors"`` member and closed, when ``data``
+    (its first bytes) holds it; None when it does not. A key "tensors" may also occur in the
+    metadata: the first few places that parse are tried."""
+    at = 0
+    for _ in range(_HEAD_TRIES):
+        at = data.find(b',"tensors":', at + 1)
+        if at < 0:
+            return None
+        head = data[:at] + b"}"
+        try:
+            json.loads(head)
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            continue
+        return head
+    return None
+
+
 #: Verification reads a shard in pieces of this size: bounded memory, whatever its size.
 VERIFY_CHUNK = 16 << 20
 
@@ -116,9 +146,40 @@ class Catalog:
         steps its block table refers to."""
         return ShardMap(fmt.step_dirname(step), shard.file, shard.nbytes, shard.blocks, self.where)
 
+    def manifest_head(self, step: int) -> tuple[bytes, str]:
+        """A step's manifest cut after its head (everything before ``"tensors"``: the step,
+        times, shards and their block tables, metrics and metadata), closed as an object,
+        and its URL: what listings and retention need, without reading the tensor records
+        and trees (most of a large manifest). A manifest whose head is not within its first
+        HEAD_BYTES is refused; a small one is read whole when it cannot be cut."""
+        path = manifest_path(step)
+        where = self.where(path)
+        size = self.storage.size(path)
+        if size > MAX_MANIFEST_BYTES:
+            raise CorruptCheckpointError(
+                f"{where}: manifest of {size} bytes is too large", path=where
+            )
+        data = b""
+        for peek in (HEAD_PEEK, HEAD_BYTES):  # most heads are a few KiB: one small read
+            data += self.storage.read_range(path, len(data), max(len(data), min(size, peek)))
+            head = _cut_head(data)
+            if head is not None:
+                return head, where
+        if size <= HEAD_BYTES:
+            return data, where  # not cut where expected: checked whole, as it is small
+        raise CorruptCheckpointError(
+            f"{where}: no manifest head within its first {HEAD_BYTES} bytes", path=where
+        )
+
+    def read_head(self, step: int) -> fmt.Manifest:
+        """A step's manifest as listings see it: its head alone, checked (see
+        :meth:`manifest_head` and :func:`format.parse_manifest_head`)."""
+        data, where = self.manifest_head(step)
+        return fmt.parse_manifest_head(data, path=where, step=step)
+
     def read_record(self, step: int) -> CheckpointRecord:
         """The step's commit time and metrics, without checking the rest of its manifest."""
-        data, where = self.manifest_bytes(step)
+        data, where = self.manifest_head(step)
         created_at, metrics, refs = fmt.parse_manifest_record(data, path=where, step=step)
         self._refs[step] = refs
         return CheckpointRecord(step, created_at, dict(metrics))

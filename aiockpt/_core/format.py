@@ -180,50 +180,47 @@ def header_length(first: bytes, nbytes: int, *, path: str) -> int:
     return 8 + n
 
 
-def check_header_agrees(head: bytes, tensors: ShardTensors, *, path: str) -> None:
-    """Refuse a shard whose own safetensors header (``head``, all of it) says something else
-    of a tensor than the manifest does: its dtype, its shape or where its bytes lie.
+def header_json(head: bytes, *, path: str) -> dict[str, Any]:
+    """A shard's header (``head``: all of it, its length included) as JSON, unchecked."""
+    try:
+        header = json.loads(head[8:])
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{path}: shard header is not JSON: {e}", path=path) from None
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError(f"{path}: shard header is not an object", path=path)
+    return header
+
+
+def check_header_agrees(
+    header: Mapping[str, Any], data_start: int, records: Mapping[str, Any], *, path: str
+) -> None:
+    """Refuse a shard whose own safetensors header (``header``, see header_json; its data
+    starting at ``data_start``) says something else of a tensor of ``records`` (those a load
+    reads, checked) than the manifest does: its dtype, its shape or where its bytes lie.
 
     The tensors' crc32c cover their bytes, not what the bytes mean: a dtype changed to one
     of the same size (F32 to I32), or a shape to another of the same size, in either the
     header or the manifest, would pass them. The two descriptions are written together and
-    must agree. (The padding before the first DTensor chunk is in the header alone.)"""
-
-    def bad(why: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(
-            f"{path}: the shard's header and the manifest disagree: {why}", path=path
+    must agree."""
+    if isinstance(records, ShardTensors):  # all of them: their raw entries, already checked
+        described: Iterator[tuple[str, Any, Any, Any]] = (
+            (n, e["dtype"], e["shape"], e["byte_range"]) for n, e in records.raw_entries().items()
         )
-
-    try:
-        header = json.loads(head[8:])
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise bad(f"the header is not JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise bad("the header is not an object")
-    start = len(head)
-    raw = tensors.raw_entries()
-    names = [n for n in header if n not in ("__metadata__", PAD_NAME)]
-    if len(names) != len(raw):
-        extra = sorted(set(names) - set(raw)) or sorted(set(raw) - set(names))
-        raise bad(f"tensor {_short(extra[0] if extra else '?')} is in one of them only")
-    for name, entry in raw.items():
+    else:
+        described = ((n, r.dtype, list(r.shape), [r.start, r.end]) for n, r in records.items())
+    for name, dtype, shape, span in described:
         h = header.get(name)
-        if not isinstance(h, dict) or not isinstance(entry, dict):
-            raise bad(f"tensor {name!r} is not in the header")
-        offsets = h.get("data_offsets")
-        span = entry.get("byte_range")
         if (
-            h.get("dtype") != entry.get("dtype")
-            or h.get("shape") != entry.get("shape")
-            or not isinstance(offsets, list)
-            or not isinstance(span, list)
-            or len(offsets) != 2
-            or [o + start if type(o) is int else o for o in offsets] != span
+            not isinstance(h, dict)
+            or h.get("dtype") != dtype
+            or h.get("shape") != shape
+            or h.get("data_offsets") != [span[0] - data_start, span[1] - data_start]
         ):
-            raise bad(
-                f"tensor {name!r}: header {_short(h)}, manifest dtype "
-                f"{_short(entry.get('dtype'))} shape {_short(entry.get('shape'))} bytes "
-                f"{_short(span)}"
+            raise CorruptCheckpointError(
+                f"{path}: the shard's header and the manifest disagree on tensor {name!r}: "
+                f"the header says {_short(h)}, the manifest dtype {dtype}, shape {shape}, "
+                f"bytes {span}",
+                path=path,
             )
 
 
@@ -599,6 +596,29 @@ def _parse_shards(
                 raise bad(f"shard {f}: a version {raw['version']} shard is its own file, in order")
         shards.append(ShardRecord(f, r, nb, crc, stored, blocks))
     return shards
+
+
+@no_gc
+def parse_manifest_head(data: bytes, *, path: str, step: int | None = None) -> Manifest:
+    """What listings show of an untrusted manifest, from its head alone (see
+    Catalog.manifest_head): step, time, shards with their block tables, metrics and
+    metadata, checked as parse_manifest checks them; no tensors, trees or distributed
+    tensors (empty), which a load or verify checks in full."""
+    raw, bad = _decode_manifest(data, path)
+    m_step, created, metrics = _manifest_head(raw, bad, step)
+    world = raw.get("world_size")
+    if type(world) is not int or not 1 <= world <= 1 << 20:
+        raise bad(f"bad world_size {_short(world)}")
+    shards = _parse_shards(raw, world, m_step, bad, path)
+    metadata = raw.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise bad("metrics and metadata must be objects")
+    found = values.json_problem(metadata)
+    if found is not None:
+        raise bad(f"metadata {found[0] or '<root>'}: {found[1]}")
+    return Manifest(
+        m_step, created, world, shards, {}, {}, metrics, metadata, {}, raw["version"], BLOCK_BYTES
+    )
 
 
 @no_gc

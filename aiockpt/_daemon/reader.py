@@ -766,8 +766,9 @@ class Reader:
         #: trainer then asks for one at a time are read by the same plan, not planned again
         #: (listing the steps, reading the manifest, checking the shard, for each window).
         self._windowed: tuple[tuple[Any, ...], _Windowed] | None = None
-        #: The manifest and rank whose shard header was last checked against it.
-        self._header_checked: tuple[fmt.Manifest, int] | None = None
+        #: The manifest and rank whose shard header was read last, the header and where the
+        #: data starts (see _header).
+        self._header_of: tuple[fmt.Manifest, int, Any, int] | None = None
         self._streams = _Streams()
         self.early = _Early()
         self._runs = _Runs()
@@ -867,6 +868,9 @@ class Reader:
             tree = _selected(tree, select, select_required, left_out)
         records, boxes = _wanted(m, tree, shard, wanted, select is not None)
         ranges = self._runs(records, where)
+        path = f"{fmt.step_dirname(step)}/{m.shard_of(rank).file}"
+        header, data_start = self._header(m, rank, path, where)
+        fmt.check_header_agrees(header, data_start, records, path=where)
         bases, pos = _bases(ranges)
         out_at, size = out_offsets(pos, boxes)
         url = self.catalog.where(fmt.step_dirname(step))
@@ -884,39 +888,34 @@ class Reader:
         # Lazily: a rank checks the records it reads, not every rank's (200k at 1024 ranks).
         try:
             m = self.catalog.read_manifest(step, lazy=True)
+            if m.world_size != world_size:
+                rank = 0  # every rank reads rank 0's part, if it is the same on every rank
+                check_replicated(m, world_size)
+            path, shard = shard_of(self.catalog, m, step, rank)
+            smap = self.catalog.shard_map(step, m.shard_of(rank))
+            where = self.catalog.where(path)
+            self._check_tree(m, rank, shard, where)
+            self._header(m, rank, path, where)  # read here: a load that is warmed reads it then
         except CheckpointError as e:
             if (gone := deleted_under(self.catalog, step, e)) is not e:
                 raise gone from None
             raise
-        if m.world_size != world_size:
-            rank = 0  # every rank reads rank 0's part, if it is the same on every rank
-            check_replicated(m, world_size)
-        path, shard = shard_of(self.catalog, m, step, rank)
-        smap = self.catalog.shard_map(step, m.shard_of(rank))
-        where = self.catalog.where(path)
-        self._check_tree(m, rank, shard, where)
-        self._check_header(m, rank, path, shard, where)
         return step, m, rank, shard, smap, where
 
-    def _check_header(
-        self, m: fmt.Manifest, rank: int, path: str, shard: fmt.ShardTensors, where: str
-    ) -> None:
-        """Check that ``rank``'s shard file says of its tensors what ``m`` does (see
-        format.check_header_agrees), unless it was the last checked. The header is always
-        in the shard's own file, at its start."""
-        checked = self._header_checked
-        if checked is not None and checked[0] is m and checked[1] == rank:
-            return
+    def _header(self, m: fmt.Manifest, rank: int, path: str, where: str) -> tuple[Any, int]:
+        """``rank``'s shard header of ``m`` as JSON and where its data starts, read once per
+        manifest and rank. The header is always in the shard's own file, at its start."""
+        kept = self._header_of
+        if kept is not None and kept[0] is m and kept[1] == rank:
+            return kept[2], kept[3]
         nbytes = m.shard_of(rank).file_size
         first = self.storage.read_range(path, 0, min(nbytes, HEADER_PEEK))
         end = fmt.header_length(first, nbytes, path=where)
-        head = (
-            first[:end]
-            if end <= len(first)
-            else first + self.storage.read_range(path, len(first), end)
-        )
-        fmt.check_header_agrees(head, shard, path=where)
-        self._header_checked = (m, rank)
+        if end > len(first):
+            first += self.storage.read_range(path, len(first), end)
+        header = fmt.header_json(first[:end], path=where)
+        self._header_of = (m, rank, header, end)
+        return header, end
 
     @no_gc
     def warm(self, step: int | None, rank: int, world_size: int) -> None:
