@@ -749,6 +749,39 @@ class _Checks:
             raise failure
 
 
+class _Known:
+    """What a load learns once per manifest (as the catalog keeps it) and rank: that the
+    rank's tree agrees with its shard, and the shard's header (see format.check_header_agrees).
+    A manifest kept by the catalog is not checked, nor its header read, again."""
+
+    def __init__(self, storage: Any) -> None:
+        self.storage = storage
+        self._tree: tuple[fmt.Manifest, int] | None = None
+        self._header: tuple[fmt.Manifest, int, Any, int] | None = None
+
+    def check_tree(self, m: fmt.Manifest, rank: int, shard: fmt.ShardTensors, where: str) -> None:
+        """Check ``rank``'s tree of ``m`` against its shard, unless it was the last checked."""
+        checked = self._tree
+        if checked is None or checked[0] is not m or checked[1] != rank:
+            fmt.check_tree(m.trees[rank], set(shard), path=where, dtensor_names=set(m.dtensors))
+            self._tree = (m, rank)
+
+    def header(self, m: fmt.Manifest, rank: int, path: str, where: str) -> tuple[Any, int]:
+        """``rank``'s shard header of ``m`` as JSON and where its data starts. The header is
+        always in the shard's own file, at its start."""
+        kept = self._header
+        if kept is not None and kept[0] is m and kept[1] == rank:
+            return kept[2], kept[3]
+        nbytes = m.shard_of(rank).file_size
+        first = self.storage.read_range(path, 0, min(nbytes, HEADER_PEEK))
+        end = fmt.header_length(first, nbytes, path=where)
+        if end > len(first):
+            first += self.storage.read_range(path, len(first), end)
+        header = fmt.header_json(first[:end], path=where)
+        self._header = (m, rank, header, end)
+        return header, end
+
+
 class Reader:
     """Serves loads from a root: into a slab the trainer lends, or into new segments that the
     trainer takes over (their names are kept, to be unlinked when the daemon exits)."""
@@ -760,15 +793,11 @@ class Reader:
         self.pool = pool
         self.load_segments: set[str] = set()
         self._checks = _Checks(pool)
-        #: The manifest (as the catalog keeps it) and rank whose tree was checked last.
-        self._tree_checked: tuple[fmt.Manifest, int] | None = None
+        self._known = _Known(self.storage)
         #: The last load in windows checked whole, by its request's fields: the windows the
         #: trainer then asks for one at a time are read by the same plan, not planned again
         #: (listing the steps, reading the manifest, checking the shard, for each window).
         self._windowed: tuple[tuple[Any, ...], _Windowed] | None = None
-        #: The manifest and rank whose shard header was read last, the header and where the
-        #: data starts (see _header).
-        self._header_of: tuple[fmt.Manifest, int, Any, int] | None = None
         self._streams = _Streams()
         self.early = _Early()
         self._runs = _Runs()
@@ -869,7 +898,7 @@ class Reader:
         records, boxes = _wanted(m, tree, shard, wanted, select is not None)
         ranges = self._runs(records, where)
         path = f"{fmt.step_dirname(step)}/{m.shard_of(rank).file}"
-        header, data_start = self._header(m, rank, path, where)
+        header, data_start = self._known.header(m, rank, path, where)
         fmt.check_header_agrees(header, data_start, records, path=where)
         bases, pos = _bases(ranges)
         out_at, size = out_offsets(pos, boxes)
@@ -894,28 +923,13 @@ class Reader:
             path, shard = shard_of(self.catalog, m, step, rank)
             smap = self.catalog.shard_map(step, m.shard_of(rank))
             where = self.catalog.where(path)
-            self._check_tree(m, rank, shard, where)
-            self._header(m, rank, path, where)  # read here: a load that is warmed reads it then
+            self._known.check_tree(m, rank, shard, where)
+            self._known.header(m, rank, path, where)  # a warmed load reads it ahead
         except CheckpointError as e:
             if (gone := deleted_under(self.catalog, step, e)) is not e:
                 raise gone from None
             raise
         return step, m, rank, shard, smap, where
-
-    def _header(self, m: fmt.Manifest, rank: int, path: str, where: str) -> tuple[Any, int]:
-        """``rank``'s shard header of ``m`` as JSON and where its data starts, read once per
-        manifest and rank. The header is always in the shard's own file, at its start."""
-        kept = self._header_of
-        if kept is not None and kept[0] is m and kept[1] == rank:
-            return kept[2], kept[3]
-        nbytes = m.shard_of(rank).file_size
-        first = self.storage.read_range(path, 0, min(nbytes, HEADER_PEEK))
-        end = fmt.header_length(first, nbytes, path=where)
-        if end > len(first):
-            first += self.storage.read_range(path, len(first), end)
-        header = fmt.header_json(first[:end], path=where)
-        self._header_of = (m, rank, header, end)
-        return header, end
 
     @no_gc
     def warm(self, step: int | None, rank: int, world_size: int) -> None:
@@ -959,14 +973,6 @@ class Reader:
             raise
         read = head + sum(hi - lo for lo, hi, _ in plan.ranges)
         return read + (assembled.read_bytes if assembled else 0)
-
-    def _check_tree(self, m: fmt.Manifest, rank: int, shard: fmt.ShardTensors, where: str) -> None:
-        """Check ``rank``'s tree of ``m`` against its shard, unless it was the last checked (a
-        manifest the catalog kept is not checked again)."""
-        checked = self._tree_checked
-        if checked is None or checked[0] is not m or checked[1] != rank:
-            fmt.check_tree(m.trees[rank], set(shard), path=where, dtensor_names=set(m.dtensors))
-            self._tree_checked = (m, rank)
 
     def _windows(
         self,

@@ -117,19 +117,12 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-class LocalStorage:
-    """A checkpoint root on a local (or locally mounted) filesystem."""
+class _UnderRoot:
+    """How :class:`LocalStorage` reaches a path under its root: never through a symbolic
+    link, reading regular files only (kept apart only to keep each class short)."""
 
-    #: write_file writes each piece before it asks for the next, and keeps no view of it.
-    writes_in_order = True
-
-    def __init__(self, root: str, *, url: str | None = None, direct_io: bool = True) -> None:
-        self.root = os.path.abspath(root)
-        self.url = url or self.root
-        self.direct_io = direct_io and bool(_O_DIRECT)
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # see _read_direct
-        #: The root with its links resolved: the kernel's name of a file opened under it.
-        self._real_root = os.path.realpath(self.root)
+    root: str
+    _real_root: str
 
     def _full(self, path: str) -> str:
         return os.path.join(self.root, path) if path else self.root
@@ -272,6 +265,21 @@ class LocalStorage:
         err = StorageError(f"{op} {full} failed: {e.strerror or e}", path=full, errno=e.errno)
         err.__cause__ = e
         return err
+
+
+class LocalStorage(_UnderRoot):
+    """A checkpoint root on a local (or locally mounted) filesystem."""
+
+    #: write_file writes each piece before it asks for the next, and keeps no view of it.
+    writes_in_order = True
+
+    def __init__(self, root: str, *, url: str | None = None, direct_io: bool = True) -> None:
+        self.root = os.path.abspath(root)
+        self.url = url or self.root
+        self.direct_io = direct_io and bool(_O_DIRECT)
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # see _read_direct
+        #: The root with its links resolved: the kernel's name of a file opened under it.
+        self._real_root = os.path.realpath(self.root)
 
     # ----------------------------------------------------------------- writes
 

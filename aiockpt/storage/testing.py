@@ -43,15 +43,100 @@ def _data(n: int, seed: int = 0) -> bytes:
     return random.Random(seed).randbytes(n)
 
 
-class StorageContract:
-    """Behaviour the daemon relies on. Subclass it and provide ``storage_factory``."""
+class _CreateContract:
+    """The part of :class:`StorageContract` that says a write creates and never replaces
+    (see storage/_base.py): kept apart only to keep each class short."""
 
     #: Bytes of the large file: make it cross the backend's multipart/chunk threshold.
     large_size: int = 9 * 1024 * 1024 + 123
-    #: Whether the storage offers ``put_if_absent`` (an atomic conditional create).
-    conditional_create: bool = True
     #: Whether the storage declares ``writes_in_order`` (see storage/_base.py).
     writes_in_order: bool = False
+
+    def _assert_refused_and_unchanged(
+        self, storage: Storage, path: str, before: bytes, write: Callable[[], None]
+    ) -> None:
+        """``write()`` fails with EEXIST naming ``path``; the file still holds ``before``."""
+        with pytest.raises(StorageError) as info:
+            write()
+        err = info.value
+        assert err.errno == errno.EEXIST, err
+        assert err.path is not None
+        assert path in err.path
+        assert path in str(err)
+        assert storage.size(path) == len(before)
+        assert storage.read_range(path, 0, len(before)) == before
+
+    def test_write_never_replaces_a_file(self, storage: Storage) -> None:
+        """write_file creates: onto an existing file, small or large (a multipart upload
+        where the backend has one), it fails with EEXIST and leaves the file as it was."""
+        storage.makedirs("step_1")
+        before = _data(5000, seed=1)
+        storage.write_file("step_1/f.bin", [memoryview(before)])
+        for data in (b"short", _data(self.large_size, seed=2)):
+            self._assert_refused_and_unchanged(
+                storage,
+                "step_1/f.bin",
+                before,
+                lambda d=data: storage.write_file("step_1/f.bin", [memoryview(d)]),  # type: ignore[misc]
+            )
+        storage.write_file("step_1/g.bin", [])
+        self._assert_refused_and_unchanged(
+            storage, "step_1/g.bin", b"", lambda: storage.write_file("step_1/g.bin", [])
+        )
+        # what failed left nothing of its own in sight (no temporary file, no part)
+        assert storage.list_dir("step_1") == ["f.bin", "g.bin"]
+
+    def test_write_never_replaces_a_large_file(self, storage: Storage) -> None:
+        """Also when the file there was itself written in parts."""
+        before = _data(self.large_size, seed=3)
+        storage.write_file("big.bin", [memoryview(before[:4096]), memoryview(before[4096:])])
+        self._assert_refused_and_unchanged(
+            storage,
+            "big.bin",
+            before,
+            lambda: storage.write_file("big.bin", [memoryview(b"x" * 100)]),
+        )
+
+    def test_streamed_write_never_replaces_a_file(self, storage: Storage) -> None:
+        """A write taking its pieces from an iterator (``writes_in_order``) creates too: a
+        small one (one request where the backend has requests) and a large one (parts)."""
+        if not self.writes_in_order:
+            return
+        storage.makedirs("step_1")
+        before = _data(5000, seed=4)
+        storage.write_file("step_1/shard.bin", [memoryview(before)])
+        for size in (10, self.large_size):
+            data = _data(size, seed=size)
+
+            def pieces(data: bytes = data) -> Iterator[memoryview]:
+                for start in range(0, len(data), 1 << 20):
+                    yield memoryview(data)[start : start + (1 << 20)]
+
+            self._assert_refused_and_unchanged(
+                storage,
+                "step_1/shard.bin",
+                before,
+                lambda p=pieces: storage.write_file("step_1/shard.bin", p()),  # type: ignore[misc]
+            )
+        assert storage.list_dir("step_1") == ["shard.bin"]
+
+    def test_a_deleted_file_can_be_created_again(self, storage: Storage) -> None:
+        """A refused write keeps the name taken; once the file is deleted, a write creates
+        it afresh."""
+        storage.write_file("once.bin", [memoryview(b"first")])
+        with pytest.raises(StorageError):
+            storage.write_file("once.bin", [memoryview(b"second")])
+        storage.delete("once.bin")
+        storage.write_file("once.bin", [memoryview(b"third")])
+        assert storage.read_range("once.bin", 0, 5) == b"third"
+
+
+class StorageContract(_CreateContract):
+    """Behaviour the daemon relies on. Subclass it and provide ``storage_factory``; set
+    ``large_size``, ``conditional_create`` and ``writes_in_order`` as the backend needs."""
+
+    #: Whether the storage offers ``put_if_absent`` (an atomic conditional create).
+    conditional_create: bool = True
 
     @pytest.fixture
     def storage_factory(self) -> Callable[[], Storage]:
@@ -135,84 +220,6 @@ class StorageContract:
         storage.write_file("views.bin", [view[:100], view[100:]])
         view.release()
         buf.append(0)  # BufferError if any view of buf is still alive
-
-    def _assert_refused_and_unchanged(
-        self, storage: Storage, path: str, before: bytes, write: Callable[[], None]
-    ) -> None:
-        """``write()`` fails with EEXIST naming ``path``; the file still holds ``before``."""
-        with pytest.raises(StorageError) as info:
-            write()
-        err = info.value
-        assert err.errno == errno.EEXIST, err
-        assert err.path is not None
-        assert path in err.path
-        assert path in str(err)
-        assert storage.size(path) == len(before)
-        assert storage.read_range(path, 0, len(before)) == before
-
-    def test_write_never_replaces_a_file(self, storage: Storage) -> None:
-        """write_file creates: onto an existing file, small or large (a multipart upload
-        where the backend has one), it fails with EEXIST and leaves the file as it was."""
-        storage.makedirs("step_1")
-        before = _data(5000, seed=1)
-        storage.write_file("step_1/f.bin", [memoryview(before)])
-        for data in (b"short", _data(self.large_size, seed=2)):
-            self._assert_refused_and_unchanged(
-                storage,
-                "step_1/f.bin",
-                before,
-                lambda d=data: storage.write_file("step_1/f.bin", [memoryview(d)]),  # type: ignore[misc]
-            )
-        storage.write_file("step_1/g.bin", [])
-        self._assert_refused_and_unchanged(
-            storage, "step_1/g.bin", b"", lambda: storage.write_file("step_1/g.bin", [])
-        )
-        # what failed left nothing of its own in sight (no temporary file, no part)
-        assert storage.list_dir("step_1") == ["f.bin", "g.bin"]
-
-    def test_write_never_replaces_a_large_file(self, storage: Storage) -> None:
-        """Also when the file there was itself written in parts."""
-        before = _data(self.large_size, seed=3)
-        storage.write_file("big.bin", [memoryview(before[:4096]), memoryview(before[4096:])])
-        self._assert_refused_and_unchanged(
-            storage,
-            "big.bin",
-            before,
-            lambda: storage.write_file("big.bin", [memoryview(b"x" * 100)]),
-        )
-
-    def test_streamed_write_never_replaces_a_file(self, storage: Storage) -> None:
-        """A write taking its pieces from an iterator (``writes_in_order``) creates too: a
-        small one (one request where the backend has requests) and a large one (parts)."""
-        if not self.writes_in_order:
-            return
-        storage.makedirs("step_1")
-        before = _data(5000, seed=4)
-        storage.write_file("step_1/shard.bin", [memoryview(before)])
-        for size in (10, self.large_size):
-            data = _data(size, seed=size)
-
-            def pieces(data: bytes = data) -> Iterator[memoryview]:
-                for start in range(0, len(data), 1 << 20):
-                    yield memoryview(data)[start : start + (1 << 20)]
-
-            self._assert_refused_and_unchanged(
-                storage,
-                "step_1/shard.bin",
-                before,
-                lambda p=pieces: storage.write_file("step_1/shard.bin", p()),  # type: ignore[misc]
-            )
-        assert storage.list_dir("step_1") == ["shard.bin"]
-
-    def test_a_deleted_file_can_be_created_again(self, storage: Storage) -> None:
-        """A refused write keeps the name taken; once the file is deleted, a write creates
-        it afresh."""
-        storage.write_file("once.bin", [memoryview(b"first")])
-        with pytest.raises(StorageError):
-            storage.write_file("once.bin", [memoryview(b"second")])
-        storage.delete("once.bin")
-        storage.write_file("once.bin", [memoryview(b"third")])
-        assert storage.read_range("once.bin", 0, 5) == b"third"
 
     def test_empty_file(self, storage: Storage) -> None:
         storage.write_file("empty.bin", [])
