@@ -207,11 +207,6 @@ def test_restore_order_is_the_same_on_every_rank_and_generators_come_last(tmp_pa
         assert r["rng_restored"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the daemon's reader refuses a checkpoint of another world size by every tensor "
-    "that differs between ranks, before the selection (reader.check_replicated)",
-)
 @pytest.mark.anyio
 async def test_one_process_loads_what_it_selects_of_a_multi_rank_checkpoint(tmp_path):
     root = str(tmp_path / "run")

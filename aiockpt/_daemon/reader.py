@@ -14,7 +14,7 @@ import dataclasses
 import difflib
 import functools
 import hashlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -76,27 +76,35 @@ def whole_shard(
     return shard
 
 
-def check_replicated(m: fmt.Manifest, world_size: int) -> None:
+def check_replicated(m: fmt.Manifest, world_size: int, names: Iterable[str]) -> None:
     """On another world size only state that every rank saved identically can be loaded;
-    distributed tensors are resharded, so their chunks need not be."""
-    first = m.tensors[m.shard_of(0).file]
-    differ = sorted(
-        name
-        for name, r in first.items()
-        if name not in m.dtensors
-        and any(
-            (o := others.get(name)) is None
+    distributed tensors are resharded, so their chunks need not be. ``names``: the tensors
+    the load reads (of rank 0's shard), so a value per rank that a load does not select
+    (say, each rank's RNG state) does not stop it."""
+    shards = sorted(m.shards, key=lambda s: s.rank)
+    first = m.tensors[shards[0].file]
+    differ: dict[str, list[int]] = {}
+    for name in sorted(n for n in names if n not in m.dtensors):
+        r = first[name]
+        ranks = [
+            s.rank
+            for s in shards[1:]
+            if (o := m.tensors[s.file].get(name)) is None
             or (o.crc32c, o.dtype, o.shape) != (r.crc32c, r.dtype, r.shape)
-            for others in m.tensors.values()
-        )
-    )
+        ]
+        if ranks:
+            differ[name] = ranks
     if differ:
-        shown = ", ".join(differ[:8]) + (", …" if len(differ) > 8 else "")
+        shown = "; ".join(
+            f"{name} (ranks {', '.join(map(str, ranks))} saved other values than rank 0)"
+            for name, ranks in list(differ.items())[:8]
+        ) + ("; …" if len(differ) > 8 else "")
         raise CheckpointError(
             f"step {m.step} was saved by {m.world_size} ranks and cannot be loaded by "
-            f"{world_size}: these tensors differ between ranks (only state every rank saved "
-            f"identically, such as DDP-replicated weights, and distributed tensors (DTensor), "
-            f"which are resharded, can be): {shown}"
+            f"{world_size} as asked: these tensors differ between ranks (only state every rank "
+            f"saved identically, such as DDP-replicated weights, and distributed tensors "
+            f"(DTensor), which are resharded, can be; select what you need with keys= or "
+            f"strict=False): {shown}"
         )
 
 
@@ -896,6 +904,8 @@ class Reader:
         if select is not None:
             tree = _selected(tree, select, select_required, left_out)
         records, boxes = _wanted(m, tree, shard, wanted, select is not None)
+        if m.world_size != world_size:
+            check_replicated(m, world_size, records)
         ranges = self._runs(records, where)
         path = f"{fmt.step_dirname(step)}/{m.shard_of(rank).file}"
         header, data_start = self._known.header(m, rank, path, where)
@@ -919,7 +929,6 @@ class Reader:
             m = self.catalog.read_manifest(step, lazy=True)
             if m.world_size != world_size:
                 rank = 0  # every rank reads rank 0's part, if it is the same on every rank
-                check_replicated(m, world_size)
             path, shard = shard_of(self.catalog, m, step, rank)
             smap = self.catalog.shard_map(step, m.shard_of(rank))
             where = self.catalog.where(path)
