@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import anyio
+import anyio.lowlevel
 import torch
 
 from .._core import format as fmt
@@ -433,6 +434,11 @@ async def while_read(read: Callable[[], Awaitable[R]], work: Callable[[], W]) ->
             failed.insert(0, e)
     if failed:
         raise failed[0]
+    if not done or not got:
+        # A cancellation reached one of the two and was absorbed on its way (by the thread
+        # it waited for, say): the caller's scope is cancelled, so let it see that.
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        raise RuntimeError("a load's read or its work ended without a result")
     return done[0], got[0]
 
 
