@@ -279,3 +279,23 @@ def test_a_partial_step_that_is_a_link_loses_the_link_alone(run: str, tmp_path: 
     anyio.run(open_and_close)
     assert not os.path.lexists(link)
     assert (target / "keep.bin").read_bytes() == b"not the root's"
+
+
+@pytest.mark.parametrize("place", list(PLACES))
+@pytest.mark.parametrize("kind", KINDS)
+def test_export_and_copy_refuse_what_is_not_a_regular_file_in_the_root(
+    run: str, tmp_path: Path, kind: str, place: str
+) -> None:
+    """export and copy read what load reads: each ends in time, refusing the file by name,
+    and leaves nothing behind."""
+    path = PLACES[place](run)
+    rel = os.path.relpath(path, run)
+    _replace(path, kind, tmp_path / "elsewhere")
+    out, dest = tmp_path / "out.safetensors", tmp_path / "dest"
+    for args in (("export", run, str(out), "--step", "1"), ("copy", run, "1", str(dest))):
+        r = _cli(*args)
+        assert r.returncode == 1, (args, r)
+        assert rel in r.stderr, (args, r.stderr)
+        assert "Traceback" not in r.stderr
+    assert not out.exists()
+    assert not any(name.startswith("shard_r") for _, _, files in os.walk(dest) for name in files)
