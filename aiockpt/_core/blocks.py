@@ -159,6 +159,18 @@ def parse_blocks(
     return tuple(blocks), stored
 
 
+def missing(storage: Any, path: str, error: CheckpointError) -> bool:
+    """Whether ``path``, which a storage call failed on with ``error``, is not there at all
+    (the checkpoint's fault) rather than unreachable (the storage's): ENOENT, or the
+    storage saying so when asked; a storage that cannot answer is failing."""
+    if getattr(error, "errno", None) == errno.ENOENT:
+        return True
+    try:
+        return not storage.exists(path)
+    except CheckpointError:
+        return False
+
+
 class ShardMap:
     """Where each logical byte of one shard is: its own file and the files its blocks refer
     to. Reads through it check nothing themselves; the crc32c of what they read is checked by
@@ -245,12 +257,7 @@ class ShardMap:
         except CorruptCheckpointError:
             return True
         except CheckpointError as err:
-            if getattr(err, "errno", None) == errno.ENOENT:
-                return True
-            try:
-                return not storage.exists(path)
-            except CheckpointError:
-                return False
+            return missing(storage, path, err)
 
     def describe(self, lo: int, hi: int) -> str:
         """The files holding logical bytes ``[lo, hi)``, with the step that wrote each, for an

@@ -12,7 +12,6 @@ untrusted: manifests are size-checked before they are read and validated as they
 
 from __future__ import annotations
 
-import errno
 import json
 from collections.abc import Callable, Collection, Iterable, Mapping
 
@@ -22,7 +21,7 @@ from ..errors import CheckpointError, CorruptCheckpointError
 from ..retention import CheckpointRecord, collectable_partials
 from ..storage import Storage
 from . import format as fmt
-from .blocks import ShardMap
+from .blocks import ShardMap, missing
 
 __all__ = ["MAX_MANIFEST_BYTES", "VERIFY_CHUNK", "Catalog", "ShardCrcs"]
 
@@ -108,8 +107,8 @@ class Catalog:
 
     # ----------------------------------------------------------------- manifests
 
-    def manifest_bytes(self, step: int) -> tuple[bytes, str]:
-        """A step's manifest, refused unread when it is too large, and the URL it came from."""
+    def _manifest_size(self, step: int) -> tuple[str, str, int]:
+        """A step's manifest's path, URL and size, refused when it is too large."""
         path = manifest_path(step)
         where = self.where(path)
         size = self.storage.size(path)
@@ -117,6 +116,11 @@ class Catalog:
             raise CorruptCheckpointError(
                 f"{where}: manifest of {size} bytes is too large", path=where
             )
+        return path, where, size
+
+    def manifest_bytes(self, step: int) -> tuple[bytes, str]:
+        """A step's manifest, refused unread when it is too large, and the URL it came from."""
+        path, where, size = self._manifest_size(step)
         return self.storage.read_range(path, 0, size), where
 
     def read_manifest(self, step: int, *, lazy: bool = False) -> fmt.Manifest:
@@ -152,13 +156,7 @@ class Catalog:
         and its URL: what listings and retention need, without reading the tensor records
         and trees (most of a large manifest). A manifest whose head is not within its first
         HEAD_BYTES is refused; a small one is read whole when it cannot be cut."""
-        path = manifest_path(step)
-        where = self.where(path)
-        size = self.storage.size(path)
-        if size > MAX_MANIFEST_BYTES:
-            raise CorruptCheckpointError(
-                f"{where}: manifest of {size} bytes is too large", path=where
-            )
+        path, where, size = self._manifest_size(step)
         data = b""
         for peek in (HEAD_PEEK, HEAD_BYTES):  # most heads are a few KiB: one small read
             data += self.storage.read_range(path, len(data), max(len(data), min(size, peek)))
@@ -322,7 +320,7 @@ class Catalog:
             progress(shard.nbytes)
             return [f"{path}: {e}"]
         except CheckpointError as e:
-            if not _missing(self.storage, path, e):
+            if not missing(self.storage, path, e):
                 raise  # the storage failed, not the checkpoint: a StorageError to the caller
             progress(shard.nbytes)
             return [f"{path}: missing"]
@@ -348,16 +346,6 @@ class Catalog:
         if problems and shard.referenced_nbytes:
             problems.append(f"its bytes are in {smap.describe(0, shard.nbytes)}")
         return [f"{path}: {problem}" for problem in problems]
-
-
-def _missing(storage: Storage, path: str, error: CheckpointError) -> bool:
-    """Whether ``path``, whose size could not be read (``error``), is not there at all."""
-    if getattr(error, "errno", None) == errno.ENOENT:
-        return True
-    try:
-        return not storage.exists(path)
-    except CheckpointError:
-        return False
 
 
 class ShardCrcs:

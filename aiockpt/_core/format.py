@@ -606,19 +606,31 @@ def parse_manifest_head(data: bytes, *, path: str, step: int | None = None) -> M
     tensors (empty), which a load or verify checks in full."""
     raw, bad = _decode_manifest(data, path)
     m_step, created, metrics = _manifest_head(raw, bad, step)
+    world = _world_size(raw, bad)
+    shards = _parse_shards(raw, world, m_step, bad, path)
+    metadata = _metadata(raw, bad)
+    return Manifest(
+        m_step, created, world, shards, {}, {}, metrics, metadata, {}, raw["version"], BLOCK_BYTES
+    )
+
+
+def _world_size(raw: dict[str, Any], bad: Callable[[str], Exception]) -> int:
     world = raw.get("world_size")
     if type(world) is not int or not 1 <= world <= 1 << 20:
         raise bad(f"bad world_size {_short(world)}")
-    shards = _parse_shards(raw, world, m_step, bad, path)
+    return world
+
+
+def _metadata(raw: dict[str, Any], bad: Callable[[str], Exception]) -> dict[str, Any]:
+    """The checked metadata of a decoded manifest: the same rules save() applies (values.py).
+    It is pickled to the trainer on load; too deep a value would fail there instead."""
     metadata = raw.get("metadata", {})
     if not isinstance(metadata, dict):
         raise bad("metrics and metadata must be objects")
     found = values.json_problem(metadata)
     if found is not None:
         raise bad(f"metadata {found[0] or '<root>'}: {found[1]}")
-    return Manifest(
-        m_step, created, world, shards, {}, {}, metrics, metadata, {}, raw["version"], BLOCK_BYTES
-    )
+    return metadata
 
 
 @no_gc
@@ -633,9 +645,7 @@ def parse_manifest(
     """
     raw, bad = _decode_manifest(data, path)
     m_step, created, metrics = _manifest_head(raw, bad, step)
-    world = raw.get("world_size")
-    if type(world) is not int or not 1 <= world <= 1 << 20:
-        raise bad(f"bad world_size {_short(world)}")
+    world = _world_size(raw, bad)
     shards = _parse_shards(raw, world, m_step, bad, path)
     sizes = {s.file: s.nbytes for s in shards}
     if len(sizes) != len(shards):
@@ -662,13 +672,7 @@ def parse_manifest(
             raise bad("a version 1 manifest has no dtensors")
         block = raw.get("block_bytes")  # checked by parse_dtensors
         dtensors = parse_dtensors(raw["dtensors"], tensors, block, path=path, lazy=lazy)
-    metadata = raw.get("metadata", {})
-    if not isinstance(metadata, dict):
-        raise bad("metrics and metadata must be objects")
-    found = values.json_problem(metadata)
-    if found is not None:
-        # It is pickled to the trainer on load; too deep a value would fail there instead.
-        raise bad(f"metadata {found[0] or '<root>'}: {found[1]}")
+    metadata = _metadata(raw, bad)
     return Manifest(
         m_step, created, world, shards, tensors, trees, metrics, metadata, dtensors, version, block
     )

@@ -774,6 +774,15 @@ class _Known:
             fmt.check_tree(m.trees[rank], set(shard), path=where, dtensor_names=set(m.dtensors))
             self._tree = (m, rank)
 
+    def check_header(
+        self, m: fmt.Manifest, rank: int, records: Mapping[str, fmt.TensorRecord], where: str
+    ) -> None:
+        """Check that ``rank``'s shard header says of ``records`` what ``m`` does (see
+        format.check_header_agrees)."""
+        path = f"{fmt.step_dirname(m.step)}/{m.shard_of(rank).file}"
+        header, data_start = self.header(m, rank, path, where)
+        fmt.check_header_agrees(header, data_start, records, path=where)
+
     def header(self, m: fmt.Manifest, rank: int, path: str, where: str) -> tuple[Any, int]:
         """``rank``'s shard header of ``m`` as JSON and where its data starts. The header is
         always in the shard's own file, at its start."""
@@ -907,9 +916,7 @@ class Reader:
         if m.world_size != world_size:
             check_replicated(m, world_size, records)
         ranges = self._runs(records, where)
-        path = f"{fmt.step_dirname(step)}/{m.shard_of(rank).file}"
-        header, data_start = self._known.header(m, rank, path, where)
-        fmt.check_header_agrees(header, data_start, records, path=where)
+        self._known.check_header(m, rank, records, where)
         bases, pos = _bases(ranges)
         out_at, size = out_offsets(pos, boxes)
         url = self.catalog.where(fmt.step_dirname(step))
