@@ -177,6 +177,56 @@ async def fsdp_tp_save(rank: int, world: int, root: str, args: dict) -> dict:
     }
 
 
+def mixed_tp_model(mesh_shape: list[int]):
+    """A model on a (dp, tp) or (pp, dp, tp) mesh whose first layer alone is tensor parallel:
+    the second layer's parameters are DTensors of the dp sub-mesh, one copy per tp rank."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 5))
+    names = ("pp", "dp", "tp")[-len(mesh_shape) :]
+    mesh = init_device_mesh("cpu", tuple(mesh_shape), mesh_dim_names=names)
+    parallelize_module(model[0], mesh["tp"], ColwiseParallel(output_layouts=Replicate()))
+    fully_shard(model, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    return model, opt
+
+
+def mixed_step(model, opt) -> None:
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(4, 8, generator=g), torch.randn(4, 5, generator=g)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+async def mixed_tp_save(rank: int, world: int, root: str, args: dict) -> dict:
+    """FSDP over a model only part of which is tensor parallel, saved on every rank."""
+    model, opt = mixed_tp_model(args["mesh"])
+    mixed_step(model, opt)
+    async with AsyncCheckpointManager(root, dist_timeout=60) as mgr:
+        await (await mgr.save(1, {"model": model, "optim": opt}))
+    sd = model.state_dict()
+    return {
+        "params": {k: full(v) for k, v in sd.items()},
+        "meshes": {k: v.device_mesh.mesh.tolist() for k, v in sd.items()},
+        "moments": moments(opt),
+    }
+
+
+async def mixed_tp_load_fsdp(rank: int, world: int, root: str, args: dict) -> dict:
+    """Load that checkpoint into the same model sharded by FSDP alone on a 1-D mesh."""
+    torch.manual_seed(1)  # other values than the saved ones
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 5))
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    async with AsyncCheckpointManager(root, dist_timeout=60) as mgr:
+        await mgr.load(1, into={"model": model, "optim": opt})
+    return {
+        "params": {k: full(v) for k, v in model.state_dict().items()},
+        "moments": moments(opt),
+    }
+
+
 async def dcp_save(rank: int, world: int, root: str, args: dict) -> dict:
     """The state dicts of torch.distributed.checkpoint.state_dict, saved as they are."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -316,6 +366,8 @@ SCENARIOS = {
         layouts_load,
         fixture_v2,
         fsdp_tp_save,
+        mixed_tp_save,
+        mixed_tp_load_fsdp,
         dcp_save,
         dcp_load,
         bad_saves,

@@ -170,9 +170,39 @@ def test_ranks_that_disagree_on_a_tensor_are_refused_by_the_merge():
     a = dtable.RankEntry("w", "F32", (4,), ("Shard(dim=0)",), (2,), Chunk((0,), (2,)))
     b = dtable.RankEntry("w", "F32", (6,), ("Shard(dim=0)",), (2,), Chunk((3,), (3,)))
     parts = [("s0", dtable.rank_json([a], {"w": [1]})), ("s1", dtable.rank_json([b], {"w": [2]}))]
-    with pytest.raises(dtable.Disagreement, match="'w'"):
+    with pytest.raises(dtable.Disagreement, match="'w'") as caught:
         dtable.merge(parts)
+    assert "on the shape of the distributed tensor 'w': rank 0: F32[4]" in str(caught.value)
+    assert "; rank 1: F32[6] placed" in str(caught.value)
     assert dtable.merge([("s0", ""), ("s1", "")]) is None
+
+
+def test_copies_of_a_submesh_agree_and_the_first_rank_of_other_ones_is_named():
+    # A (dp, tp) = 2 x 2 mesh, the tensor on the dp sub-meshes {0, 2} and {1, 3}: every
+    # rank's entry holds the sub-mesh's shape, not its ranks, so the copies agree.
+    full = dtable.RankEntry("w", "F32", (5,), ("Shard(dim=0)",), (2,), None)
+    first = dtable.RankEntry("w", "F32", (5,), ("Shard(dim=0)",), (2,), Chunk((0,), (3,)))
+    second = dtable.RankEntry("w", "F32", (5,), ("Shard(dim=0)",), (2,), Chunk((3,), (2,)))
+    texts = [
+        dtable.rank_json([first], {"w": [1]}),
+        dtable.rank_json([full], {}),
+        dtable.rank_json([second], {"w": [2]}),
+        dtable.rank_json([full], {}),
+    ]
+    merged = dtable.merge([(f"s{r}", t) for r, t in enumerate(texts)])
+    assert merged is not None
+    chunks = json.loads(merged)["w"]["chunks"]
+    assert [(c["offsets"], c["shard"]) for c in chunks] == [([0], "s0"), ([3], "s2")]
+    # Rank 2 with a different dtype, after a rank that saved nothing: named by its rank.
+    other = dtable.RankEntry("w", "F64", (5,), ("Shard(dim=0)",), (2,), Chunk((3,), (2,)))
+    texts[2] = dtable.rank_json([other], {"w": [2]})
+    parts = [("s0", ""), *[(f"s{r + 1}", t) for r, t in enumerate(texts)]]
+    with pytest.raises(dtable.Disagreement) as caught:
+        dtable.merge(parts)
+    assert str(caught.value) == (
+        "the ranks disagree on the dtype of the distributed tensor 'w': rank 1: F32[5] placed "
+        "['Shard(dim=0)'] on mesh [2]; rank 3: F64[5] placed ['Shard(dim=0)'] on mesh [2]"
+    )
 
 
 # --------------------------------------------------------------------------- hostile tables

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import itertools
 import math
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 import torch
@@ -22,11 +24,14 @@ from torch.distributed.tensor import distribute_tensor as distribute
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from aiockpt._core.chunks import Chunk, byte_span, check_chunks, read_plan, scatter
+from aiockpt._trainer import dist as _dist
 from aiockpt._trainer.dtensor import (
+    Held,
     check_placements,
     chunk_at,
     global_shape,
     is_writer,
+    layout_facts,
     local_chunk,
     writes_at,
 )
@@ -158,6 +163,55 @@ def test_a_strided_piece_that_is_not_one_box_is_refused(
     with pytest.raises(ValueError, match="not one range") as caught:
         chunk_at(shape, mesh_shape, coordinate, placements)
     assert f"indices {held} of tensor dim 0" in str(caught.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sub-meshes: copies of a mesh in the job's mesh
+
+#: The dp sub-meshes of a (dp, tp) = 2 x 2 mesh: ranks {0, 2} and {1, 3}.
+DP_OF_2X2 = ((0, 2), (1, 3))
+
+
+def held(rank: int, shape=(5, 6), dtype=torch.float32, copies=DP_OF_2X2) -> Held:
+    facts = layout_facts(shape, [Shard(0)], (2,), copies, rank)
+    return Held("model/1.weight", cast(DTensor, SimpleNamespace(dtype=dtype)), facts)
+
+
+def test_each_chunk_of_a_submesh_is_written_by_the_lowest_rank_of_its_copies():
+    everyone = [held(rank) for rank in range(4)]
+    assert [h.chunk for h in everyone] == [Chunk((0, 0), (3, 6)), Chunk((0, 0), (3, 6))] + [
+        Chunk((3, 0), (2, 6))
+    ] * 2
+    assert [h.writes for h in everyone] == [True, False, True, False]
+    assert {h.mesh_ranks for h in everyone} == {(0, 1, 2, 3)}
+    # Copies listed in another order, or a tp sub-mesh ({0, 1} and {2, 3}): still the lowest.
+    assert [held(r, copies=((1, 3), (0, 2))).writes for r in range(4)] == [True, False] * 2
+    assert [held(r, copies=((0, 1), (2, 3))).writes for r in range(4)] == [True, True, False, False]
+    # A Replicate sub-mesh: one writer among all four holders.
+    rep = [layout_facts((5,), [Replicate()], (2,), DP_OF_2X2, r).writes for r in range(4)]
+    assert rep == [True, False, False, False]
+    # A rank in no copy holds nothing and writes nothing.
+    outside = layout_facts((5, 6), [Shard(0)], (2,), DP_OF_2X2, 7)
+    assert (outside.chunk, outside.writes) == (None, False)
+
+
+def test_ranks_on_different_copies_of_a_submesh_agree_and_a_real_difference_is_shown():
+    everyone = [held(rank) for rank in range(4)]
+    assert len({_dist._signature([h]) for h in everyone}) == 1
+    # Another global shape on rank 1: refused, the message showing both shapes.
+    details = [_dist._details([held(r, shape=(4, 6) if r == 1 else (5, 6))]) for r in range(4)]
+    with pytest.raises(UnsupportedValueError) as caught:
+        _dist._refuse_disagreement(cast(Any, SimpleNamespace(ranks=(0, 1, 2, 3))), details)
+    message = str(caught.value)
+    assert message.startswith("model/1.weight: the ranks hold different DTensors here")
+    assert "rank 0: torch.float32[5, 6]" in message
+    assert "rank 1: torch.float32[4, 6]" in message
+    # And another dtype.
+    details = [
+        _dist._details([held(r, dtype=torch.float64 if r else torch.float32)]) for r in range(4)
+    ]
+    with pytest.raises(UnsupportedValueError, match=r"rank 1: torch\.float64\[5, 6\]"):
+        _dist._refuse_disagreement(cast(Any, SimpleNamespace(ranks=(0, 1, 2, 3))), details)
 
 
 # ---------------------------------------------------------------------------------------------

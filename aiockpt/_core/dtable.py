@@ -289,7 +289,7 @@ def merge(parts: Sequence[tuple[str, str]]) -> str | None:
         return None
     if len({lines[0] for _, lines in split}) == 1 and len(split) == len(parts):
         return _splice(split)
-    return _merge_decoded(split)
+    return _merge_decoded(split, [rank for rank, (_, text) in enumerate(parts) if text])
 
 
 def _splice(split: list[tuple[str, list[str]]]) -> str:
@@ -308,19 +308,24 @@ def _splice(split: list[tuple[str, list[str]]]) -> str:
     return "{" + ",".join(out) + "}"
 
 
-def _merge_decoded(split: list[tuple[str, list[str]]]) -> str:
+def _merge_decoded(split: list[tuple[str, list[str]]], ranks: Sequence[int] | None = None) -> str:
+    """The table merged by name from decoded entries; ``ranks``: the rank of each part (by
+    default its index), for the message of a Disagreement."""
     table: dict[str, dict[str, Any]] = {}
-    for shard, lines in split:
+    first: dict[str, int] = {}  # the rank whose entry each name's head came from
+    for rank, (shard, lines) in zip(ranks or range(len(split)), split, strict=True):
         facts = json.loads(lines[0])
         for (name, dtype, shape, placements, mesh), line in zip(facts, lines[1:], strict=True):
             entry = {"dtype": dtype, "shape": shape, "placements": placements, "mesh": mesh}
             known = table.get(name)
             if known is None:
                 known = table[name] = {**entry, "chunks": []}
-            elif any(known[k] != entry[k] for k in entry):
+                first[name] = rank
+            elif differ := [k for k in entry if known[k] != entry[k]]:
                 raise Disagreement(
-                    f"the ranks disagree on the distributed tensor {name!r}: "
-                    f"{_describe(known)} on one, {_describe(entry)} on another"
+                    f"the ranks disagree on the {' and '.join(differ)} of the distributed "
+                    f"tensor {name!r}: rank {first[name]}: {_describe(known)}; rank {rank}: "
+                    f"{_describe(entry)}"
                 )
             chunk = json.loads(line)
             if chunk is not None:

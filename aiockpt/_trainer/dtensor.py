@@ -17,6 +17,12 @@ mesh give the rank at (2, 0) rows {6, 11}; and a ``_StridedShard`` with no match
 ``(_StridedShard(0, sf=2),)`` on 2 ranks: rank 0 holds rows {0, 1, 4, 5}, while torch's
 shape and offset describe rows 0..3). Such a piece is no box, so :func:`chunk_at` computes
 the full index list on the strided dims and refuses what is not one run.
+
+A DTensor's mesh may be a sub-mesh of the job's mesh: on a ``(dp, tp)`` mesh, a module left
+out of tensor parallelism and sharded by FSDP over ``mesh["dp"]`` has DTensors of the dp
+sub-mesh, of which there is one copy per tp rank, all holding the same value. Each chunk is
+saved by one copy only (:func:`layout_facts`), and the ranks agree on the ranks of all the
+copies, not on which copy each one is in.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ __all__ = [
     "describe",
     "global_shape",
     "is_writer",
+    "layout_facts",
     "local_chunk",
     "writes_at",
 ]
@@ -109,9 +116,13 @@ def writes_at(coordinate: Sequence[int], placements: Sequence[Placement]) -> boo
 
 def is_writer(dt: DTensor) -> bool:
     """Whether this rank saves its chunk of ``dt``: exactly one rank of those holding an
-    identical chunk does (see :func:`writes_at`); False on a rank outside the mesh."""
-    coordinate = dt.device_mesh.get_coordinate()
-    return coordinate is not None and writes_at(coordinate, dt.placements)
+    identical chunk does (see :func:`writes_at` and :func:`layout_facts`); False on a rank
+    outside the mesh."""
+    mesh = dt.device_mesh
+    copies, rank = _copies(mesh), int(mesh.get_rank())
+    mesh_shape = tuple(int(n) for n in mesh.shape)
+    coordinate = _coordinate_of(rank, mesh_shape, copies)
+    return coordinate is not None and _writes(rank, coordinate, dt.placements, mesh_shape, copies)
 
 
 def check_placements(dt: DTensor, path: str) -> Chunk | None:
@@ -133,7 +144,8 @@ class _Facts:
     shape: tuple[int, ...]
     placements: tuple[str, ...]
     mesh: tuple[int, ...]
-    #: The global ranks of the mesh.
+    #: The global ranks of the mesh and of every copy of it in the job's mesh (a dp
+    #: sub-mesh's copies along tp), sorted: the ranks that hold the DTensor.
     mesh_ranks: tuple[int, ...]
     #: This rank's chunk; None on a rank outside the mesh.
     chunk: Chunk | None
@@ -153,7 +165,9 @@ class Held:
     shape = property(lambda self: self.facts.shape, doc="The global shape.")
     placements = property(lambda self: self.facts.placements, doc="Placements, as text.")
     mesh = property(lambda self: self.facts.mesh, doc="The mesh's shape.")
-    mesh_ranks = property(lambda self: self.facts.mesh_ranks, doc="The mesh's global ranks.")
+    mesh_ranks = property(
+        lambda self: self.facts.mesh_ranks, doc="The global ranks of the mesh and its copies."
+    )
     chunk = property(lambda self: self.facts.chunk, doc="This rank's chunk, None outside.")
     writes = property(lambda self: self.facts.writes, doc="Whether this rank writes it.")
 
@@ -207,16 +221,81 @@ def _facts_of(mesh: object, placements: tuple[Placement, ...], shape: tuple[int,
                 f"a DTensor placement {placement!r} on mesh dim {mesh_dim} is not supported"
             )
     mesh_shape = tuple(int(n) for n in mesh.shape)  # type: ignore[attr-defined]
-    coordinate = mesh.get_coordinate()  # type: ignore[attr-defined]
+    rank = int(mesh.get_rank())  # type: ignore[attr-defined]
+    return layout_facts(shape, placements, mesh_shape, _copies(mesh), rank)
+
+
+def layout_facts(
+    shape: tuple[int, ...],
+    placements: Sequence[Placement],
+    mesh_shape: tuple[int, ...],
+    copies: Sequence[Sequence[int]],
+    rank: int,
+) -> _Facts:
+    """What a DTensor of global ``shape`` placed by ``placements`` on a mesh of
+    ``mesh_shape`` decides for global rank ``rank``; needs no process group.
+
+    ``copies`` holds the global ranks of every copy of the mesh in the job's mesh, each in
+    row-major order of its coordinates: one copy for a mesh that is the job's own, one per
+    tp rank for the dp sub-mesh of a ``(dp, tp)`` mesh (``[[0, 2], [1, 3]]`` on 2 × 2). Every
+    copy holds the same value, so a chunk is written by one copy only: at each coordinate, by
+    the lowest global rank of the copies (with :func:`writes_at` choosing the coordinate).
+    The ranks agree on the facts of :attr:`_Facts.mesh_ranks`, the ranks of all the copies,
+    not on which copy each one is in.
+    """
     chunk, writes = None, False
+    coordinate = _coordinate_of(rank, mesh_shape, copies)
     if coordinate is not None:
         try:
             chunk = chunk_at(shape, mesh_shape, coordinate, placements)
         except ValueError as e:
             raise _Refused(str(e)) from None
-        writes = chunk.numel > 0 and writes_at(coordinate, placements)
-    ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())  # type: ignore[attr-defined]
+        writes = chunk.numel > 0 and _writes(rank, coordinate, placements, mesh_shape, copies)
+    ranks = tuple(sorted({int(r) for copy in copies for r in copy}))
     return _Facts(shape, tuple(map(repr, placements)), mesh_shape, ranks, chunk, writes)
+
+
+def _copies(mesh: object) -> tuple[tuple[int, ...], ...]:
+    """The global ranks of every copy of ``mesh`` in the job's mesh (see layout_facts)."""
+    layout = getattr(mesh, "_layout", None)
+    rank_map = getattr(mesh, "_rank_map", None)
+    if layout is not None and rank_map is not None:
+        copies = layout.remap_to_tensor(rank_map).flatten(start_dim=1)
+    else:  # a torch whose meshes keep no layout: the mesh alone
+        copies = mesh.mesh.flatten().unsqueeze(0)  # type: ignore[attr-defined]
+    return tuple(tuple(int(r) for r in copy) for copy in copies.tolist())
+
+
+def _coordinate_of(
+    rank: int, mesh_shape: tuple[int, ...], copies: Sequence[Sequence[int]]
+) -> tuple[int, ...] | None:
+    """Where ``rank`` is in the copy of the mesh holding it; None when no copy does."""
+    for copy in copies:
+        if rank in copy:
+            index, coordinate = list(copy).index(rank), []
+            for n in reversed(mesh_shape):
+                index, c = divmod(index, n)
+                coordinate.append(c)
+            return tuple(reversed(coordinate))
+    return None
+
+
+def _writes(
+    rank: int,
+    coordinate: Sequence[int],
+    placements: Sequence[Placement],
+    mesh_shape: Sequence[int],
+    copies: Sequence[Sequence[int]],
+) -> bool:
+    """Whether ``rank``, at ``coordinate`` of its copy of the mesh, writes its chunk: the
+    coordinate is the writing one of its copy (writes_at), and of the copies' ranks at that
+    coordinate, ``rank`` is the lowest."""
+    if not writes_at(coordinate, placements):
+        return False
+    index = 0
+    for c, n in zip(coordinate, mesh_shape, strict=True):
+        index = index * n + c
+    return rank == min(int(copy[index]) for copy in copies)
 
 
 def _as_chunk(sizes: Sequence[int], offsets: Sequence[int]) -> Chunk:
