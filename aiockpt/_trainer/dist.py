@@ -235,7 +235,9 @@ def _refuse_disagreement(group: Group, details: list[dict[str, tuple]]) -> None:
         expected = {r for r, g in enumerate(group.ranks) if g in mesh}
         if len({f for f in facts.values() if f is not None}) > 1:
             shown = "; ".join(
-                f"rank {r}: {f[0]}{list(f[1])} {list(f[2])}" for r, f in facts.items() if f
+                f"rank {r}: {f[0]}{list(f[1])} {list(f[2])} on mesh ranks {list(f[3])}"
+                for r, f in facts.items()
+                if f
             )
             raise UnsupportedValueError(name, f"the ranks hold different DTensors here: {shown}")
         if holders != expected:
