@@ -9,10 +9,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 import torch
 from aiockpt_crash_recorder import RecordingStorage, mark
 
 from aiockpt import AsyncCheckpointManager, LatestN
+from aiockpt.errors import LeaseLostError
 
 #: Long enough that no renewal lands in a recorded run, whatever the machine's load: every
 #: lease in a crash state is then a dead writer's unexpired one (see docs/crash-points.md).
@@ -42,6 +44,12 @@ def incremental_state(step: int, rank: int = 0) -> dict[str, Any]:
         "step": step,
         "rank": rank,
     }
+
+
+def fenced_state(step: int) -> dict[str, Any]:
+    """What the fenced writer of the two-writer run tries to save at ``step``: the layout of
+    :func:`state_for`, so its shard's bytes lie where the new holder's do, other values."""
+    return state_for(-step)
 
 
 #: What each scenario's steps held, by the name a recording carries in ``meta["state"]``.
@@ -115,4 +123,64 @@ async def record_incremental(root: str, log: str) -> Recording:
         mark(log, opened=True)
     rec = read_log(log)
     rec.meta["state"] = "incremental"
+    return rec
+
+
+#: The two-writer run: the step both writers save (the first pauses in the middle of it).
+CONTESTED = 2
+
+
+async def record_two_writers(root: str, log: str) -> Recording:
+    """Writer A (``LatestN(2)``) commits step 1, then pauses half way through its shard of
+    step 2. Writer B opens the root with ``takeover=True``, commits step 2 and step 3 (whose
+    retention pass deletes step 1) and closes. Then A resumes: it finishes its write and its
+    save fails with LeaseLostError. ``meta["fenced"]`` names A, whose records carry
+    ``"writer": "a"``; B's carry ``"b"``."""
+    os.makedirs(root)
+    url = f"crashrec://{root}"
+    here = os.path.dirname(root)
+    gate, reached = os.path.join(here, "gate"), os.path.join(here, "reached")
+    step_dir = f"step_{CONTESTED:012d}"
+    a_options = {"log": log, "writer": "a", "pause": step_dir, "gate": gate, "reached": reached}
+    outcome: dict[str, BaseException | None] = {"b": None}
+
+    async def writer_a() -> None:
+        async with AsyncCheckpointManager(
+            url, storage_options=a_options, retention=LatestN(2), lease_ttl=LEASE_TTL
+        ) as mgr:
+            await (await mgr.save(1, state_for(1)))
+            mark(log, durable=1, writer="a")
+            try:
+                await (await mgr.save(CONTESTED, fenced_state(CONTESTED)))
+            except LeaseLostError as e:
+                outcome["a"] = e
+            else:
+                outcome["a"] = None
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(writer_a)
+        try:
+            with anyio.fail_after(120):
+                while not os.path.exists(reached):
+                    await anyio.sleep(0.02)
+            async with AsyncCheckpointManager(
+                url,
+                storage_options={"log": log, "writer": "b"},
+                retention=LatestN(2),
+                lease_ttl=LEASE_TTL,
+                takeover=True,
+            ) as mgr:
+                for step in (CONTESTED, CONTESTED + 1):
+                    await (await mgr.save(step, state_for(step)))
+                    mark(log, durable=step, writer="b")
+        except Exception as e:  # A ends its save first, not cancelled in the middle of it
+            outcome["b"] = e
+        finally:  # A goes on whatever happened to B: its daemon must not wait forever
+            with open(gate, "w"):
+                pass
+    if outcome["b"] is not None:
+        raise AssertionError(f"writer B failed: {outcome['b']!r}") from outcome["b"]
+    assert isinstance(outcome["a"], LeaseLostError), f"writer A's save: {outcome['a']!r}"
+    rec = read_log(log)
+    rec.meta["fenced"] = "a"
     return rec

@@ -6,6 +6,10 @@ handle`` in the same log. Every state a crash may leave at every point of the lo
 in a directory and checked: what is listed loads bit-exact and verifies, no step promised
 durable is missing, partials are collected and never listed (see docs/crash-points.md).
 
+The two-writer run adds a writer fenced off by a takeover while it was half way through a
+shard: what it did after its pause is checked at every position among the new holder's save
+and retention, and no committed step of the new holder may change.
+
 The default run checks a seeded sample; ``AIOCKPT_CRASH_ALL=1`` checks every state.
 """
 
@@ -14,16 +18,23 @@ from __future__ import annotations
 import anyio
 import pytest
 from _crash_checker import FULL, Budget, check
-from _crash_record import read_log, record_incremental, record_single
+from _crash_record import (
+    CONTESTED,
+    read_log,
+    record_incremental,
+    record_single,
+    record_two_writers,
+)
 from _support.ranks import run_ranks
 
 from aiockpt.storage import registered_protocols
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(7200 if FULL else 900)]
 
-#: The sampled run: states per crash point, and crash states a fresh manager opens.
-SAMPLED = Budget(per_point=3, opens=3)
-EVERYTHING = Budget(per_point=None, opens=None)
+#: The sampled run: states per crash point, crash states a fresh manager opens, and, with two
+#: writers, interleavings besides the one with the fenced writer's operations last.
+SAMPLED = Budget(per_point=3, opens=3, interleavings=6)
+EVERYTHING = Budget(per_point=None, opens=None, interleavings=None)
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +64,14 @@ def two_ranks(tmp_path_factory):
     return read_log(str(log), world=2)
 
 
+@pytest.fixture(scope="module")
+def two_writers(tmp_path_factory):
+    """The recorded two-writer run: A paused mid-shard, B's takeover, saves and retention,
+    then A's late write and its LeaseLostError."""
+    tmp = tmp_path_factory.mktemp("writers")
+    return anyio.run(record_two_writers, str(tmp / "run"), str(tmp / "log"))
+
+
 def test_the_recorder_sees_every_kind_of_operation(single):
     kinds = {r["op"] for r in single.records}
     for kind in ("create", "write", "fsync", "fsync_dir", "rename", "link", "unlink", "mkdir"):
@@ -74,6 +93,38 @@ def test_the_incremental_run_retires_step_1_and_removes_step_2(incremental):
     assert [r["durable"] for r in incremental.records if "durable" in r] == [1, 2, 3]
 
 
+def test_the_fenced_writer_resumes_after_the_new_holder_committed(two_writers):
+    """Recorded before the async checks (its fixture runs its own event loop): A paused in
+    the middle of its own file of step 2; B committed steps 2 and 3 and deleted step 1
+    meanwhile; A wrote the rest of its file after all that, and nothing else."""
+    records = two_writers.records
+    pause = next(i for i, r in enumerate(records) if r["op"] == "pause")
+    resume = next(i for i, r in enumerate(records) if r["op"] == "resume")
+    step_dir = f"step_{CONTESTED:012d}/"
+    (fenced_file,) = {
+        r["path"]
+        for r in records[pause:]
+        if r.get("writer") == "a" and r["op"] == "write" and r["path"].startswith(step_dir)
+    }
+    between = records[pause + 1 : resume]
+    assert all(r.get("writer") == "b" for r in between)
+    assert [r["durable"] for r in between if "durable" in r] == [CONTESTED, CONTESTED + 1]
+    assert any(
+        r.get("call") == "delete" and r["path"] == "step_000000000001/manifest.json"
+        for r in between
+    )
+    committed = [
+        r["path"]
+        for r in between
+        if r.get("call") == "write_file" and r["path"].startswith(step_dir)
+    ]
+    assert len(committed) == 1
+    assert committed != [fenced_file]  # B's file is its own
+    late = [r for r in records[resume:] if r.get("writer") == "a"]
+    assert {r["op"] for r in late} == {"resume", "write", "fsync", "fsync_dir", "api"}
+    assert all(r.get("path") in (fenced_file, step_dir.rstrip("/")) for r in late[1:])
+
+
 FLOORS = {  # crash states checked at least, (sampled, full); see docs/crash-points.md
     ("single", "ordered"): (150, 230),
     ("single", "posix"): (250, 2000),
@@ -84,13 +135,17 @@ FLOORS = {  # crash states checked at least, (sampled, full); see docs/crash-poi
     ("incremental", "ordered"): (150, 220),
     ("incremental", "posix"): (250, 950),
     ("incremental", "objects"): (12, 14),
+    ("writers", "ordered"): (400, 40000),
+    ("writers", "posix"): (400, 400000),
+    ("writers", "objects"): (80, 80),
 }
 
 
 @pytest.mark.parametrize("model", ["ordered", "posix", "objects"])
-@pytest.mark.parametrize("scenario", ["single", "ranks", "incremental"])
+@pytest.mark.parametrize("scenario", ["single", "ranks", "incremental", "writers"])
 async def test_every_crash_state_keeps_the_promises(scenario, model, request, tmp_path):
-    rec = request.getfixturevalue("two_ranks" if scenario == "ranks" else scenario)
+    fixture = {"ranks": "two_ranks", "writers": "two_writers"}.get(scenario, scenario)
+    rec = request.getfixturevalue(fixture)
     report = await check(rec, model, tmp_path, EVERYTHING if FULL else SAMPLED)
     assert report.states >= FLOORS[scenario, model][FULL]
     assert report.opened >= 1

@@ -10,6 +10,13 @@ file named by the storage option ``log`` or else by the environment variable
 trainers' :func:`mark` calls): each operation and its record happen under one lock (a thread
 lock and ``flock`` on the log), so the log's order is the order in which they happened.
 
+Two more options serve runs with two writers on one root. ``writer`` names the writer: every
+record of the storage carries it (``"writer": name``). ``pause`` (a step directory's name),
+``gate`` and ``reached`` (paths) stop the write of a shard in that directory half way: its
+first half written, the storage records ``pause``, creates ``reached`` and, without the log's
+lock, waits until ``gate`` exists; then it records ``resume`` and writes the rest. That is a
+writer frozen in the middle of a shard (SIGSTOP, a slow disk) while another writer works.
+
 Records are JSON lines, ``op`` being one of:
 
 - ``create`` (a new file: its inode and its entry in its parent directory), ``truncate``,
@@ -21,7 +28,7 @@ Records are JSON lines, ``op`` being one of:
   ``delete``) that returned, with the bytes it wrote or the files it deleted, after the
   records of the operations it made;
 - ``hello``: a storage opened, with the root's inode; ``mark``: a line of the caller's (see
-  :func:`mark`).
+  :func:`mark`); ``pause`` and ``resume``: a gated write stopped and went on.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import os
 import shutil
 import stat
 import threading
+import time
 import types
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
@@ -86,6 +94,24 @@ class Log:
                 if self._depth == 0:
                     fcntl.flock(self._fd, fcntl.LOCK_UN)
 
+    @contextlib.contextmanager
+    def released(self) -> Iterator[None]:
+        """The log's lock let go for a while, however deeply this thread holds it: a writer
+        paused mid-call lets the others work meanwhile. Only the thread holding it calls this."""
+        depth, self._depth = self._depth, 0
+        if depth:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        for _ in range(depth):
+            self._lock.release()
+        try:
+            yield
+        finally:
+            for _ in range(depth):
+                self._lock.acquire()
+            if depth:
+                fcntl.flock(self._fd, fcntl.LOCK_EX)
+            self._depth = depth
+
     def append(self, record: dict[str, Any]) -> None:
         line = memoryview((json.dumps(record, sort_keys=True) + "\n").encode())
         with self.held():
@@ -102,15 +128,16 @@ def mark(path: str, **fields: Any) -> None:
 class _Recorder:
     """Turns full paths into the root-relative ones of the records."""
 
-    def __init__(self, root: str, log: Log) -> None:
+    def __init__(self, root: str, log: Log, writer: str | None = None) -> None:
         self.root = root
         self.log = log
+        self.writer = {} if writer is None else {"writer": writer}
 
     def rel(self, full: Any) -> str:
         return os.path.relpath(os.fspath(full), self.root)
 
     def op(self, kind: str, **fields: Any) -> None:
-        self.log.append({"op": kind, "pid": os.getpid(), **fields})
+        self.log.append({"op": kind, "pid": os.getpid(), **self.writer, **fields})
 
     def parent(self, full: Any) -> int:
         return os.stat(os.path.dirname(os.fspath(full))).st_ino
@@ -282,12 +309,26 @@ def _rebind(fn: Any, namespace: dict[str, Any]) -> Any:
 
 
 class RecordingStorage(LocalStorage):
-    """LocalStorage, its file-system operations and its Storage calls recorded to ``log``."""
+    """LocalStorage, its file-system operations and its Storage calls recorded to ``log``;
+    ``writer``, ``pause``, ``gate`` and ``reached`` as the module says."""
 
-    def __init__(self, root: str, *, log: str, url: str | None = None) -> None:
+    def __init__(
+        self,
+        root: str,
+        *,
+        log: str,
+        url: str | None = None,
+        writer: str | None = None,
+        pause: str | None = None,
+        gate: str | None = None,
+        reached: str | None = None,
+    ) -> None:
         super().__init__(root, url=url)
+        if pause is not None and (gate is None or reached is None):
+            raise ValueError("crashrec:// 'pause' needs 'gate' and 'reached'")
         self.log = Log.get(log)
-        self._rec = _Recorder(self.root, self.log)
+        self._rec = _Recorder(self.root, self.log, writer)
+        self._pause, self._gate, self._reached = pause, gate, reached
         proxy = _RecordingOs(self._rec)
         namespace = dict(vars(_local))
         namespace.update(os=proxy, shutil=_RecordingShutil(proxy), open=proxy.open_file)
@@ -317,7 +358,30 @@ class RecordingStorage(LocalStorage):
         # Copied first: the pieces may come from an iterator (a save staged in windows).
         pieces = [bytes(memoryview(b).cast("B")) for b in buffers]
         data = b"".join(pieces)
+        if self._gated(path):
+            self._api("write_file", path, self._halves(data), data=_b64(data))
+            return
         self._api("write_file", path, [memoryview(p) for p in pieces], data=_b64(data))
+
+    def _gated(self, path: str) -> bool:
+        return (
+            self._pause is not None
+            and path.startswith(self._pause.rstrip("/") + "/shard_r")
+            and not os.path.exists(str(self._gate))
+        )
+
+    def _halves(self, data: bytes) -> Iterator[memoryview]:
+        """``data`` in two pieces, with the pause between them (see the module doc)."""
+        half = len(data) // 2
+        yield memoryview(data[:half])
+        self._rec.op("pause")
+        with open(str(self._reached), "w"):
+            pass
+        with self.log.released():
+            while not os.path.exists(str(self._gate)):
+                time.sleep(0.01)
+        self._rec.op("resume")
+        yield memoryview(data[half:])
 
     def put_atomic(self, path: str, data: bytes) -> None:
         self._api("put_atomic", path, data, data=_b64(bytes(data)))
@@ -341,13 +405,21 @@ class RecordingStorage(LocalStorage):
             self._rec.op("api", call="delete", path=path, objects=objects)
 
 
+_OPTIONS = ("writer", "pause", "gate", "reached")
+
+
 def make_storage(url: str, options: dict[str, Any]) -> RecordingStorage:
-    """The factory of ``crashrec://`` URLs; options: ``log`` (else ``$AIOCKPT_CRASH_LOG``)."""
+    """The factory of ``crashrec://`` URLs; options: ``log`` (else ``$AIOCKPT_CRASH_LOG``),
+    and ``writer``, ``pause``, ``gate``, ``reached`` (see the module doc)."""
     options = dict(options)
     log = options.pop("log", None) or os.environ.get(ENV)
     if not log:
         raise ValueError(f"crashrec:// needs a log: the storage option 'log' or ${ENV}")
+    extra = {k: options.pop(k) for k in _OPTIONS if k in options}
     if options:
-        raise ValueError(f"crashrec:// takes only the option 'log' (got {sorted(options)})")
+        raise ValueError(
+            f"crashrec:// takes only the options 'log', {', '.join(map(repr, _OPTIONS))} "
+            f"(got {sorted(options)})"
+        )
     _, _, root = url.partition("://")
-    return RecordingStorage(root, log=log, url=url)
+    return RecordingStorage(root, log=log, url=url, **extra)
