@@ -86,17 +86,18 @@ async def test_a_bad_tensor_is_named_and_the_target_left_untouched(tmp_path, int
         assert all(not t.any() for t in target.values())
 
 
-async def test_damage_to_the_head_alone_fails_no_load(tmp_path):
-    """The head (the safetensors header) is read only for the shard's crc32c: when that fails
-    and every tensor passes its own, the bytes the load uses are intact, and it goes on, as
-    a load that reads only tensors would."""
+async def test_damage_to_the_head_alone_is_refused_and_leaves_the_target(tmp_path):
+    """The head (the safetensors header) says what each tensor's bytes mean, and a load
+    checks it against the manifest (see test_header_agrees.py): damaged, it is refused as
+    corrupt before anything is copied, though every tensor passes its own crc32c."""
     root = str(tmp_path)
     async with AsyncCheckpointManager(root) as mgr:
         await (await mgr.save(1, state()))
         flip_byte(shard_file(root, 1), 20)  # inside the header's JSON
         target = zeros()
-        await mgr.load(1, into=target)
-        assert torch.equal(target["t599"], torch.full((1024,), 599.0))
+        with pytest.raises(CorruptCheckpointError):
+            await mgr.load(1, into=target)
+        assert torch.equal(target["t599"], torch.zeros(1024))
 
 
 def test_which_loads_are_checked_whole():

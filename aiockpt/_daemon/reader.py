@@ -554,14 +554,19 @@ def as_image(plan: _Plan, storage: Any, image: tuple[int, bytes]) -> _Plan:
 
 
 def read_whole(
-    storage: Any, pool: ThreadPoolExecutor, checks: list[Future[Any]], seg: Segment, plan: _Plan
+    storage: Any,
+    pool: ThreadPoolExecutor,
+    checks: list[Future[Any]],
+    seg: Segment,
+    plan: _Plan,
+    known_head: bytes | None = None,
 ) -> int:
     """Read the one range of ``plan``, a shard's bytes [lo, nbytes), into ``seg``, taking the
     crc32c of each chunk on ``pool`` while the next is read (the futures added to ``checks``,
     for the caller to wait for); then read the head [0, lo) and check the shard's crc32c. Only
     if that fails are the tensors checked one by one, to name the first that is bad (when
     none is, the damage is in the head, which the load does not use). The bytes of the head
-    read."""
+    read (``known_head``: the head as this load's header check read it, not read again)."""
     assert plan.whole is not None
     ((lo, hi, items),) = plan.ranges
     (base,) = plan.bases
@@ -573,9 +578,13 @@ def read_whole(
         crc = pool.submit(crc_of, seg, base + off, base + end)
         checks.append(crc)
         parts.append((crc, end - off))
-    head = bytearray(lo)
-    with memoryview(head) as out:
-        plan.smap.readinto(storage, 0, out)
+    head: bytes | bytearray
+    if known_head is not None and len(known_head) == lo:
+        head = known_head  # read by this load's header check: not again
+    else:
+        head = bytearray(lo)
+        with memoryview(head) as out:
+            plan.smap.readinto(storage, 0, out)
     total = crc32c.crc32c(head)
     for crc, n in parts:
         total = combine(total, crc.result(), n)
@@ -765,7 +774,7 @@ class _Known:
     def __init__(self, storage: Any) -> None:
         self.storage = storage
         self._tree: tuple[fmt.Manifest, int] | None = None
-        self._header: tuple[fmt.Manifest, int, Any, int] | None = None
+        self._header: tuple[fmt.Manifest, int, Any, bytes] | None = None
 
     def check_tree(self, m: fmt.Manifest, rank: int, shard: fmt.ShardTensors, where: str) -> None:
         """Check ``rank``'s tree of ``m`` against its shard, unless it was the last checked."""
@@ -788,15 +797,28 @@ class _Known:
         always in the shard's own file, at its start."""
         kept = self._header
         if kept is not None and kept[0] is m and kept[1] == rank:
-            return kept[2], kept[3]
-        nbytes = m.shard_of(rank).file_size
-        first = self.storage.read_range(path, 0, min(nbytes, HEADER_PEEK))
+            return kept[2], len(kept[3])
+        shard = m.shard_of(rank)
+        nbytes = shard.file_size
+        # Where the first tensor starts is where the header ends: read exactly that much (a
+        # peek reaching into the tensors would be read twice); checked against the header.
+        raw = m.tensors[shard.file].raw_entries().values()
+        starts = (
+            r[0] for e in raw if isinstance(e, dict) and isinstance(r := e.get("byte_range"), list)
+        )
+        guess = min((s for s in starts if type(s) is int and 8 < s <= nbytes), default=None)
+        first = self.storage.read_range(path, 0, guess or min(nbytes, HEADER_PEEK))
         end = fmt.header_length(first, nbytes, path=where)
         if end > len(first):
             first += self.storage.read_range(path, len(first), end)
         header = fmt.header_json(first[:end], path=where)
-        self._header = (m, rank, header, end)
+        self._header = (m, rank, header, bytes(first[:end]))
         return header, end
+
+    def head(self, m: fmt.Manifest) -> bytes | None:
+        """The bytes of the header last read, when it is of ``m``'s shard this daemon reads."""
+        kept = self._header
+        return kept[3] if kept is not None and kept[0] is m else None
 
 
 class Reader:
@@ -969,7 +991,8 @@ class Reader:
         head = 0
         try:
             if plan.whole is not None:
-                head = read_whole(self.storage, self.pool, self._checks.futures, seg, plan)
+                known = self._known.head(plan.m)
+                head = read_whole(self.storage, self.pool, self._checks.futures, seg, plan, known)
             else:
                 for (lo, hi, items), base in zip(plan.ranges, plan.bases, strict=True):
                     self._checks.read_verified(
