@@ -11,6 +11,7 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
+from _support.roots import manifest_of
 
 from aiockpt import AsyncCheckpointManager
 from aiockpt._core import format as fmt
@@ -90,3 +91,47 @@ class CountingReads(LocalStorage):
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     script = str(Path(sys.executable).parent / "aiockpt")
     return subprocess.run([script, *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "outside"])
+def test_a_hostile_file_in_place_of_a_referenced_file_is_corrupt(root, tmp_path, kind):
+    """Step 2 reads a tensor from step 1's file: a FIFO, or a link out of the root, in that
+    file's place fails load, load(into=), verify, export and copy in time, naming the file."""
+    big = torch.arange(1 << 18, dtype=torch.float32)  # 1 MiB: a block step 2 refers to
+
+    async def save() -> None:
+        async with AsyncCheckpointManager(root) as mgr:
+            for step in (1, 2):
+                await (await mgr.save(step, {"big": big, "small": torch.full((4,), float(step))}))
+
+    anyio.run(save)
+    (source,) = {b[2] for b in manifest_of(root, 2)["shards"][0]["blocks"]} - {""}
+    path = Path(root) / source
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        outside = tmp_path / "elsewhere.safetensors"
+        outside.write_bytes(b"\0" * (2 << 20))
+        path.symlink_to(outside)
+
+    async def loads() -> None:
+        async with AsyncCheckpointManager(root, read_only=True) as mgr:
+            with anyio.fail_after(20):
+                with pytest.raises(CorruptCheckpointError, match=source):
+                    await mgr.load(2)
+                target = {"big": torch.zeros(1 << 18), "small": torch.zeros(4)}
+                with pytest.raises(CorruptCheckpointError, match=source):
+                    await mgr.load(2, into=target)
+                assert not target["big"].any()
+
+    anyio.run(loads)
+    for args in (
+        ("verify", root, "2"),
+        ("export", root, str(tmp_path / "out.safetensors"), "--step", "2"),
+        ("copy", root, "2", str(tmp_path / "dest")),
+    ):
+        r = cli(*args)
+        assert r.returncode == 1, (args, r.stdout, r.stderr)
+        assert source in r.stdout + r.stderr, (args, r.stdout, r.stderr)
+        assert "Traceback" not in r.stderr
