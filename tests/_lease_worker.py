@@ -78,7 +78,45 @@ async def taken_over(rank: int, world: int, root: str, args: dict) -> dict:
     return out
 
 
-SCENARIOS = {"open_leased": open_leased, "taken_over": taken_over}
+async def saved_then_killed(rank: int, world: int, root: str, args: dict) -> dict:
+    """A two-rank job saves steps 1 and 2, says so in ``args["ready"]``-RANK, then trains on
+    (sleeps) until the test kills it whole, daemons included."""
+    async with AsyncCheckpointManager(root, retention=LatestN(1), lease_ttl=60.0) as mgr:
+        for step in (1, 2):
+            await (await mgr.save(step, {"w": torch.full((4,), float(step + rank))}))
+        ready = {"pid": os.getpid(), "daemon": mgr.daemon_pid}
+        with open(f"{args['ready']}-{rank}", "w") as f:
+            json.dump(ready, f)
+        await anyio.sleep(3600)
+    return {}
+
+
+async def reopened(rank: int, world: int, root: str, args: dict) -> dict:
+    """The same job started again at once: each rank opens the root (no takeover) and
+    resumes from the last committed step."""
+    import time
+
+    events: list = []
+    t0 = time.monotonic()
+    async with AsyncCheckpointManager(
+        root, retention=LatestN(1), lease_ttl=60.0, event_handlers=[events.append]
+    ) as mgr:
+        opened = time.monotonic() - t0
+        w = (await mgr.load())["w"]
+        return {
+            "opened": opened,
+            "steps": await mgr.steps(),
+            "w": w.tolist(),
+            "takeover": [e.detail for e in events if e.name == "lease.takeover"],
+        }
+
+
+SCENARIOS = {
+    "open_leased": open_leased,
+    "taken_over": taken_over,
+    "saved_then_killed": saved_then_killed,
+    "reopened": reopened,
+}
 
 if __name__ == "__main__":
     if sys.argv[1] in SCENARIOS:

@@ -21,6 +21,7 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
+from _support.ranks import run_ranks
 from test_lease import Writer, current, state, write_lease
 
 from aiockpt import AsyncCheckpointManager, CheckpointManager
@@ -519,3 +520,53 @@ def test_sigterm_to_the_whole_job_still_flushes(tmp_path):
     rec = current(root).record
     assert rec is not None
     assert rec.released
+
+
+def test_a_two_rank_job_killed_whole_gets_its_root_back_at_once(tmp_path):
+    """The whole job (both ranks and their daemons) SIGKILLed, then started again at once:
+    every rank opens without takeover, resumes step 2 as it saved it, and no segment of the
+    killed job is left in /dev/shm."""
+    root, ready = str(tmp_path / "run"), str(tmp_path / "ready")
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    worker = str(Path(__file__).parent / "_lease_worker.py")
+    store = tmp_path / "store-killed"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                worker,
+                "saved_then_killed",
+                str(rank),
+                "2",
+                str(store),
+                root,
+                str(tmp_path / f"out-{rank}"),
+                json.dumps({"ready": ready}),
+            ],
+            env=env,
+            start_new_session=True,  # a group of its own with its daemon: killed whole
+        )
+        for rank in range(2)
+    ]
+    try:
+        deadline = time.monotonic() + 120
+        while not all(os.path.exists(f"{ready}-{r}") for r in range(2)):
+            assert time.monotonic() < deadline, "the job never saved"
+            assert all(p.poll() is None for p in procs), [p.returncode for p in procs]
+            time.sleep(0.05)
+        killed = [json.loads(Path(f"{ready}-{r}").read_text()) for r in range(2)]
+        for p in procs:
+            os.killpg(p.pid, signal.SIGKILL)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(30)
+    r0, r1 = run_ranks("_lease_worker.py", "reopened", 2, tmp_path, root, args={})
+    for rank, r in enumerate((r0, r1)):
+        assert r["steps"] == [2], r
+        assert r["w"] == [float(2 + rank)] * 4, r
+    assert r0["opened"] < 10.0, r0  # rank 0 takes the lease at once (the rest is rendezvous)
+    assert len(r0["takeover"]) == 1
+    assert "gone" in r0["takeover"][0]
+    assert segments_of(*(k[key] for k in killed for key in ("pid", "daemon"))) == []
