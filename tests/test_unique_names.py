@@ -386,3 +386,19 @@ async def test_verify_raises_an_outage_rather_than_calling_the_step_corrupt(root
     assert not isinstance(info.value, CorruptCheckpointError)
     flag.unlink()
     assert catalog.verify_shard(2, shard, m.tensors[shard.file]) == []
+
+
+async def test_a_create_refused_because_the_name_is_taken_removes_nothing(tmp_path, test_storages):
+    """A save whose exclusive create is refused (EEXIST: another attempt's file is at that
+    name) fails without removing that file, which is not its own."""
+    root, flag = str(tmp_path / "run"), tmp_path / "taken"
+    url = f"fulldisk://{root}"
+    async with AsyncCheckpointManager(url, storage_options={"taken_flag": str(flag)}) as mgr:
+        await (await mgr.save(1, state_at(1, 1)))
+        flag.touch()
+        with pytest.raises(StorageError, match="refused"):
+            await (await mgr.save(2, state_at(2, 1)))
+        flag.unlink()
+        (other,) = os.listdir(os.path.join(root, fmt.step_dirname(2)))
+        assert Path(root, fmt.step_dirname(2), other).read_bytes() == b"another attempt's bytes"
+        assert await mgr.steps() == [1]

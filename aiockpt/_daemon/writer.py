@@ -9,6 +9,7 @@ text. On one rank the commit is the manifest; on several, the ranks agree throug
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import time
 from collections import Counter
@@ -188,7 +189,7 @@ class Writer:
         # and nothing this attempt leaves behind can be taken for another's.
         name = fmt.shard_filename(self.rank, fmt.new_tag())
         path = f"{step_dir}/{name}"
-        written_path: str | None = None  # the file this attempt created, once it did
+        written_path: str | None = None  # the file this attempt may have created
         made_dir = False
         try:
             tree, layout = self._take(req)
@@ -198,7 +199,9 @@ class Writer:
                 raise StepExistsError(f"step {req.step} is already committed in {self.storage.url}")
             self._fence(req, f"write step {req.step}")
             self.storage.makedirs(step_dir)
-            made_dir = True
+            # From here on the attempt's file may exist (a write that fails leaves none, and
+            # removing a missing file is no error): a failure removes it.
+            made_dir, written_path = True, path
             if req.windows:
                 (tensors, shard_crc, dtensors), table, base = self._write_windows(req, layout, path)
             else:
@@ -207,7 +210,6 @@ class Writer:
                     req, seg, layout, path
                 )
                 self.outbox.send(SlabFree(req.slab))
-            written_path = path
             slab_free = True
             written = time.monotonic()
             nbytes = layout.msg.file_size
@@ -419,6 +421,8 @@ class Writer:
             # collected by the holder (see Catalog.collect_partials). On several ranks the
             # commit may have happened without this rank hearing it: the file stays for the
             # collection, which knows what the manifests refer to.
+            if getattr(exc, "errno", None) == errno.EEXIST:
+                written = None  # the create was refused: what is there is not ours
             with contextlib.suppress(Exception):
                 self.catalog.discard(req.step, written)
         self.outbox.send(SaveDone(req.uuid, error=remote_error(exc)))

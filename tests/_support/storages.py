@@ -62,7 +62,8 @@ class FullDiskStorage(LocalStorage):
     """A local root whose disk is full while a flag file exists: at the commit (every
     manifest creation fails with ENOSPC, after the shard was written; storage option
     ``flag``), or at the shard's write (option ``write_flag``); and whose reads of paths
-    holding ``read_match`` fail while ``read_flag`` exists."""
+    holding ``read_match`` fail while ``read_flag`` exists; and where, while ``taken_flag``
+    exists, a shard's name turns out taken by another attempt's file (EEXIST)."""
 
     def __init__(
         self,
@@ -71,10 +72,12 @@ class FullDiskStorage(LocalStorage):
         write_flag: str | None,
         read_flag: str | None = None,
         read_match: str = "",
+        taken_flag: str | None = None,
     ) -> None:
         super().__init__(root)
         self.flag, self.write_flag = flag, write_flag
         self.read_flag, self.read_match = read_flag, read_match
+        self.taken_flag = taken_flag
 
     @staticmethod
     def _no_space(path: str) -> StorageError:
@@ -83,6 +86,10 @@ class FullDiskStorage(LocalStorage):
     def write_file(self, path: str, buffers: Any) -> None:
         if "/shard_r" in path and self.write_flag and os.path.exists(self.write_flag):
             raise self._no_space(path)
+        if "/shard_r" in path and self.taken_flag and os.path.exists(self.taken_flag):
+            # Another attempt's file is already at this very name: the create is refused.
+            super().write_file(path, [memoryview(b"another attempt's bytes")])
+            raise StorageError(f"create {path} refused: it exists", path=path, errno=errno.EEXIST)
         super().write_file(path, buffers)
 
     def readinto(self, path: str, offset: int, out: memoryview) -> None:
@@ -106,6 +113,7 @@ def open_full_disk(url: str, storage_options: dict[str, Any]) -> FullDiskStorage
         options.get("write_flag"),
         options.get("read_flag"),
         options.get("read_match", ""),
+        options.get("taken_flag"),
     )
 
 
