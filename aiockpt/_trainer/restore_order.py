@@ -11,13 +11,11 @@ draws random numbers as it loads does not move a generator off the state it was 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from .._core.gc import no_gc
-from .._core.tree import KeyPaths
-from ..errors import LoadMismatchError
+from . import state
 from .state import Restored, _Restorer
 
 
@@ -56,7 +54,6 @@ class OrderedRestorer(_Restorer):
         return restored
 
 
-@no_gc  # the walk's lists and sizes, as state.plan_restore's
 def plan_restore(
     target: Any,
     tree: Any,
@@ -67,11 +64,7 @@ def plan_restore(
     scope: tuple[str, ...] | None,
 ) -> OrderedRestorer:
     """:func:`aiockpt._trainer.state.plan_restore`, carried out in the global order."""
-    restorer = OrderedRestorer(tensors, fresh, held or {})
-    restorer.result = restorer.restore(target, tree, "")
-    if scope is not None:  # target keys outside the selection read were not asked for
-        asked = KeyPaths(scope)
-        restorer.only_target = [p for p in restorer.only_target if asked.selects(p)]
-    if strict and (restorer.only_saved or restorer.only_target):
-        raise LoadMismatchError(restorer.key_difference())
-    return restorer
+    planned = state.plan_restore(
+        target, tree, tensors, fresh, held, strict, scope, make=OrderedRestorer
+    )
+    return cast(OrderedRestorer, planned)

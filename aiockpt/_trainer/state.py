@@ -748,12 +748,14 @@ def plan_restore(
     held: Mapping[str, Any] | None,
     strict: bool,
     scope: tuple[str, ...] | None,
+    make: Callable[..., _Restorer] | None = None,
 ) -> _Restorer:
     """The checks and the plan of :func:`load_into`, nothing changed yet: ``tensors`` are
     the sources copied in place (``Restorer.srcs`` are them or views of them), ``fresh``
     gives the values that are handed over instead (a module's or optimizer's state dict, a
-    tensor with no tensor to copy into); ``finish`` then makes the changes."""
-    restorer = _Restorer(tensors, fresh, held or {})
+    tensor with no tensor to copy into); ``finish`` then makes the changes. ``make``: the
+    restorer's class (a subclass that carries the plan out in another order, say)."""
+    restorer = (make or _Restorer)(tensors, fresh, held or {})
     restorer.result = restorer.restore(target, tree, "")
     if scope is not None:  # target keys outside the selection read were not asked for
         asked = KeyPaths(scope)
