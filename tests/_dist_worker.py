@@ -166,7 +166,7 @@ async def state_dict_raises(rank: int, world: int, root: str) -> dict:
     state = {"model": flaky, "own": torch.full((4,), float(rank))}
     failures: list[dict] = []
     async with AsyncCheckpointManager(root, dist_timeout=60) as mgr:
-        for round_ in range(5):
+        for round_ in range(10):
             flaky.failing, flaky.lazily = rank == world - 1, round_ % 2 == 0
             t0 = time.monotonic()
             try:
@@ -335,6 +335,58 @@ async def dead_rank(rank: int, world: int, root: str) -> dict:
     return result
 
 
+def _saved_by(rank: int) -> dict:
+    """What each rank of ``global_keys`` saves: a full state on rank 0 only, a value ranks 0
+    and 1 saved differently, one ranks 1 and 2 saved identically, and each rank's own."""
+    state: dict = {"mine": torch.full((4,), float(rank)), "step": 7}
+    if rank == 0:
+        state["full"] = {"w": torch.arange(12, dtype=torch.float32), "b": torch.ones(3)}
+        state["note"] = "rank 0 only"
+    if rank in (0, 1):
+        state["diff"] = torch.tensor([float(rank)])
+    if rank in (1, 2):
+        state["both"] = {"v": torch.arange(5, dtype=torch.int64), "tag": "same"}
+    return state
+
+
+def _blank(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _blank(v) for k, v in value.items()}
+    if isinstance(value, torch.Tensor):
+        return torch.full_like(value, -1)
+    return None if isinstance(value, str) else 0
+
+
+async def global_keys(rank: int, world: int, root: str) -> dict:
+    """A key saved by some ranks only is loadable on every rank (one global namespace)."""
+    result: dict = {}
+    async with AsyncCheckpointManager(root, dist_timeout=60) as mgr:
+        await (await mgr.save(1, _saved_by(rank)))
+        # strict: each rank's target is what it saved, plus what others saved that it lacks
+        target = _blank({**_saved_by(0), **_saved_by(1), **_saved_by(rank)})
+        target.pop("diff", None)
+        if rank in (0, 1):
+            target["diff"] = torch.zeros(1)
+        target.pop("note", None)
+        if rank == 0:
+            target["note"] = ""
+        await mgr.load(1, into=target)
+        result["into"] = {
+            "full": {k: v.tolist() for k, v in target["full"].items()},
+            "both": [target["both"]["v"].tolist(), target["both"]["tag"]],
+            "mine": target["mine"].tolist(),
+            "step": target["step"],
+        }
+        fresh = await mgr.load(1, keys=["full", "both/v"])
+        result["fresh"] = [fresh["full"]["w"].tolist(), fresh["both"]["v"].tolist()]
+        try:  # rank 2 saved no "diff"; ranks 0 and 1 saved different values
+            await mgr.load(1, keys=["diff"])
+            result["diff"] = None
+        except Exception as e:
+            result["diff"] = err(e)
+    return result
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
@@ -347,6 +399,7 @@ SCENARIOS = {
         late_rank,
         key_orders,
         dead_rank,
+        global_keys,
     )
 }
 

@@ -355,6 +355,39 @@ async def dedup_saves(rank: int, world: int, root: str, args: dict) -> dict:
     }
 
 
+async def rank0_full_save(rank: int, world: int, root: str, args: dict) -> dict:
+    """The FSDP + TP model saved two ways in one checkpoint: its full state on rank 0 alone
+    (as FSDP1 jobs save with rank0_only), and its sharded state dict on every rank."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    model, opt = mixed_tp_model([2, 2])
+    mixed_step(model, opt)
+    whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = {"sharded": get_model_state_dict(model)}
+    full_sd = get_model_state_dict(model, options=whole)  # a collective: every rank
+    if rank == 0:
+        state["full"] = full_sd
+    async with AsyncCheckpointManager(root, dist_timeout=60) as mgr:
+        await (await mgr.save(1, state))
+    return {"params": {k: full(v) for k, v in model.state_dict().items()}, "saved": sorted(state)}
+
+
+async def rank0_full_load(rank: int, world: int, root: str, args: dict) -> dict:
+    """Both loaded on every rank into a fresh FSDP + TP model of the same mesh."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    out = {}
+    async with AsyncCheckpointManager(root, dist_timeout=60) as mgr:
+        for key in ("full", "sharded"):
+            torch.manual_seed(1)  # other values than the saved ones
+            model, _ = mixed_tp_model([2, 2])
+            target = {key: get_model_state_dict(model)}
+            await mgr.load(1, into=target, keys=[key])
+            set_model_state_dict(model, target[key])
+            out[key] = {k: full(v) for k, v in model.state_dict().items()}
+    return out
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
@@ -368,6 +401,8 @@ SCENARIOS = {
         fsdp_tp_save,
         mixed_tp_save,
         mixed_tp_load_fsdp,
+        rank0_full_save,
+        rank0_full_load,
         dcp_save,
         dcp_load,
         bad_saves,

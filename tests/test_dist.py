@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from _support.ranks import run_ranks as _run_ranks
 
 from aiockpt import AsyncCheckpointManager
-from aiockpt.errors import CheckpointError
+from aiockpt._core import format as fmt
+from aiockpt._daemon.graft import graft
+from aiockpt.errors import CheckpointError, LoadMismatchError
 
 
 def run_ranks(scenario: str, world: int, tmp_path, root: str, timeout: float = 150) -> list[dict]:
@@ -124,6 +128,8 @@ def test_torchrun_example_saves_stops_and_resumes(tmp_path):
 
 
 def test_state_dict_raising_on_one_rank_fails_every_rank_and_the_next_save_commits(tmp_path):
+    """Ten times over: the last rank's state_dict() raises, every rank raises within
+    seconds naming it, and the next save commits on every rank."""
     root = str(tmp_path / "run")
     r0, r1 = run_ranks("state_dict_raises", 2, tmp_path, root, timeout=60)
     for i, (f0, f1) in enumerate(zip(r0["failures"], r1["failures"], strict=True)):
@@ -139,8 +145,8 @@ def test_state_dict_raising_on_one_rank_fails_every_rank_and_the_next_save_commi
             assert f"rank 1: {f1['type']}: {f1['message']}" in f0["message"]
         assert f0["seconds"] < 10
         assert f1["seconds"] < 10
-    assert len(r0["failures"]) == 5
-    assert r0["steps"] == r1["steps"] == [2, 4, 6, 8, 10]
+    assert len(r0["failures"]) == 10
+    assert r0["steps"] == r1["steps"] == list(range(2, 21, 2))
 
 
 def test_a_rank_late_past_dist_timeout_is_named_by_the_others(tmp_path):
@@ -219,3 +225,61 @@ async def test_one_process_loads_what_it_selects_of_a_multi_rank_checkpoint(tmp_
         assert torch.equal(into["shared"]["w"], torch.arange(10, dtype=torch.float32))
         with pytest.raises(CheckpointError, match=r"own.*ranks"):
             await mgr.load(6, keys=["own"])  # selected, and per rank: refused
+
+
+@pytest.fixture(scope="module")
+def global_keys(tmp_path_factory) -> tuple[str, list[dict]]:
+    """The root of a 3-rank run of the ``global_keys`` scenario, and what each rank saw."""
+    tmp = tmp_path_factory.mktemp("global")
+    root = str(tmp / "run")
+    return root, run_ranks("global_keys", 3, tmp, root, timeout=90)
+
+
+def test_a_key_saved_by_some_ranks_loads_on_every_rank(global_keys):
+    """One global namespace: a value saved by rank 0 only (a full state dict), or by two
+    ranks identically, is read by any rank whose target asks for it; a key two ranks saved
+    differently is refused on a rank that saved none, naming it and them."""
+    _, results = global_keys
+    full = {"w": [float(i) for i in range(12)], "b": [1.0, 1.0, 1.0]}
+    for rank, r in enumerate(results):
+        assert r["into"] == {
+            "full": full,
+            "both": [[0, 1, 2, 3, 4], "same"],
+            "mine": [float(rank)] * 4,
+            "step": 7,
+        }, rank
+        assert r["fresh"] == [full["w"], [0, 1, 2, 3, 4]]
+    r0, r1, r2 = results
+    assert r2["diff"]["type"] == "LoadMismatchError", r2
+    assert "'diff'" in r2["diff"]["message"]
+    assert "ranks 0, 1" in r2["diff"]["message"]
+    for r in (r0, r1):
+        assert r["diff"]["type"] == "CheckpointError", r
+        assert "failed on rank(s) [2]" in r["diff"]["message"]
+
+
+@pytest.mark.anyio
+async def test_one_process_loads_a_key_rank_0_did_not_save(global_keys):
+    root, _ = global_keys
+    async with AsyncCheckpointManager(root) as mgr:
+        out = await mgr.load(1, keys=["both"])  # saved by ranks 1 and 2, identically
+        assert out["both"]["v"].tolist() == [0, 1, 2, 3, 4]
+        assert out["both"]["tag"] == "same"
+        with pytest.raises(CheckpointError, match=r"diff.*ranks 1"):
+            await mgr.load(1, keys=["diff"])
+
+
+def test_grafting_leaves_the_manifest_trees_as_they_were(global_keys):
+    """A manifest is kept and reused by the daemon: what a load takes from other ranks'
+    trees is added to a new tree, never to the rank's own."""
+    root = Path(global_keys[0])
+    text = (root / f"step_{1:012d}" / "manifest.json").read_bytes()
+    m = fmt.parse_manifest(text, path="manifest.json")
+    before = copy.deepcopy(m.trees)
+    tree, borrowed = graft(m, 0, m.trees[0], ["both", "mine", "nowhere"])
+    assert m.trees == before
+    assert [key for key, _ in tree["D"]] == [key for key, _ in before[0]["D"]] + ["both"]
+    assert sorted(borrowed) == ["both/v"]
+    assert borrowed["both/v"].covering(borrowed["both/v"].box)[0].shard == m.shard_of(1).file
+    with pytest.raises(LoadMismatchError, match=r"'diff'.*ranks 0, 1"):
+        graft(m, 2, m.trees[2], ["diff"])

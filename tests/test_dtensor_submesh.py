@@ -80,3 +80,15 @@ def test_a_submesh_checkpoint_loads_on_2_ranks_with_fsdp_alone(mixed_run):
     for rank in ranks("mixed_tp_load_fsdp", 2, tmp, root):
         assert rank["params"] == saved[0]["params"]
         assert rank["moments"] == saved[0]["moments"]
+
+
+def test_a_full_state_saved_on_rank_0_loads_into_fsdp_and_tp_on_every_rank(tmp_path):
+    """One global namespace of keys: the full state dict rank 0 alone saved (FSDP1's
+    rank0_only habit) and the sharded state dict every rank saved, each loaded on every rank
+    of a 2 x 2 (dp, tp) mesh into a fresh model: every parameter equals the saved one."""
+    root = str(tmp_path / "root")
+    saved = ranks("rank0_full_save", 4, tmp_path, root)
+    assert [r["saved"] for r in saved] == [["full", "sharded"]] + [["sharded"]] * 3
+    for rank in ranks("rank0_full_load", 4, tmp_path, root):
+        assert rank["full"] == saved[0]["params"]
+        assert rank["sharded"] == saved[0]["params"]

@@ -291,6 +291,10 @@ class LoadReq(ReadReq):
     #: nothing is read; the windows are then asked for in order under the same name, each
     #: checked as it is read (a tensor cut by windows once its last is in).
     stream: str | None = None
+    #: The key paths of the target restored into (its dicts walked): in a multi-rank
+    #: checkpoint, those at which the rank saved nothing are read from the ranks that did (a
+    #: full state saved by rank 0 alone, say). ``select``, when given, is asked instead.
+    asked: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import functools
 import hashlib
+import types
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -36,6 +37,7 @@ from ..errors import (
     SavedKeyNotFoundError,
     StagingMemoryError,
 )
+from .graft import Borrowed, graft
 from .reshard import OUT_ALIGN, Assembler, out_offsets, wanted_box
 from .shared import Slabs
 
@@ -43,6 +45,9 @@ from .shared import Slabs
 HEADER_PEEK = 64 * 1024
 #: Loads read this much at a time, checksumming what was read while the next chunk comes.
 LOAD_CHUNK = 64 * 1024 * 1024
+
+#: No tensors borrowed from other ranks' shards (see graft).
+NOTHING: Mapping[str, Borrowed] = types.MappingProxyType({})
 
 #: A shard's tensors: (name, record) pairs.
 Tensors = list[tuple[str, fmt.TensorRecord]]
@@ -259,11 +264,13 @@ def _wanted(
     records: Mapping[str, fmt.TensorRecord],
     wanted: dict[str, Wanted] | None,
     selected: bool,
+    borrowed: Mapping[str, Borrowed],
 ) -> tuple[Mapping[str, fmt.TensorRecord], list[tuple[str, str, Chunk]]]:
     """What a load of ``tree`` reads: the shard's records it refers to, and (name, dtype, box)
-    of each distributed tensor, the box ``wanted`` gives it or the whole."""
+    of each distributed tensor, the box ``wanted`` gives it or the whole, and of each tensor
+    ``borrowed`` from another rank's shard (see graft), the whole."""
     boxes: list[tuple[str, str, Chunk]] = []
-    if not m.dtensors and not selected:
+    if not m.dtensors and not selected and not borrowed:
         return records, boxes  # every record of the shard, as in version 1
     plain, distributed = tensor_references(tree)
     for name in sorted(distributed):
@@ -271,7 +278,8 @@ def _wanted(
         box = wanted_box(rec, (wanted or {}).get(name))
         if box is not None:
             boxes.append((name, rec.dtype, box))
-    return {name: records[name] for name in plain}, boxes
+    boxes.extend((name, b.dtype, b.box) for name, b in borrowed.items())
+    return {name: records[name] for name in plain if name not in borrowed}, boxes
 
 
 def _bases(ranges: list[tuple[int, int, Tensors]]) -> tuple[list[int], int]:
@@ -321,6 +329,8 @@ class _Plan(NamedTuple):
     whole: fmt.ShardRecord | None = None
     #: The tensors lie where the file has them, as the trainer's layout has them (as_image).
     image: bool = False
+    #: Tensors of other ranks' shards the load reads (see graft), by name.
+    borrowed: Mapping[str, Borrowed] = NOTHING
 
     def placed(self) -> dict[str, TensorAt]:
         """Where each tensor this load reads lies in its output (nothing to say of a load
@@ -658,8 +668,10 @@ def assemble(
     boxes: list[tuple[str, str, Chunk]],
     out_at: dict[str, int],
     seg: Segment,
+    borrowed: Mapping[str, Borrowed],
 ) -> Assembler | None:
-    """Fill each wanted box of a distributed tensor into ``seg`` at ``out_at``."""
+    """Fill each wanted box of a distributed tensor, or tensor ``borrowed`` from another
+    rank's shard, into ``seg`` at ``out_at``."""
     if not boxes:
         return None
     maps: dict[str, ShardMap] = {}
@@ -680,7 +692,7 @@ def assemble(
         for name, dtype, box in boxes:
             n = box.numel * fmt.DTYPE_SIZES[dtype]
             with seg.buf[out_at[name] : out_at[name] + n] as out:
-                assembler.fill(m.dtensors[name], box, out)
+                assembler.fill(borrowed.get(name) or m.dtensors[name], box, out)
     finally:
         assembler.wait()
     return assembler
@@ -831,7 +843,7 @@ class Reader:
         self.slabs = slabs
         self.pool = pool
         self.load_segments: set[str] = set()
-        self._checks = _Checks(pool)
+        self.checks = _Checks(pool)
         self._known = _Known(self.storage)
         #: The last load in windows checked whole, by its request's fields: the windows the
         #: trainer then asks for one at a time are read by the same plan, not planned again
@@ -858,12 +870,16 @@ class Reader:
         collect: str | None = None,
         image: tuple[int, bytes] | None = None,
         stream: str | None = None,
+        asked: tuple[str, ...] | None = None,
     ) -> LoadReply:
         """Read and verify a rank's tensors of ``step`` (the latest when None) into shared
         memory: into the trainer's ``slab`` when given and large enough, else into a new
         segment the trainer takes over. Distributed tensors come after the rank's plain
         tensors: the box of each that ``wanted`` names, the whole of the others. With
-        ``select`` (key paths), only the values at or under those paths are read.
+        ``select`` (key paths), only the values at or under those paths are read. The key
+        paths of ``select``, or else of ``asked`` (those of the target restored into), at
+        which a multi-rank checkpoint's tree of the rank holds nothing are read from the other
+        ranks' (see graft).
 
         With ``window`` (bytes), the load's bytes pass through ``slab`` a window at a time
         (see :func:`cut_output`): with ``part`` None every window is read and checked and
@@ -883,10 +899,10 @@ class Reader:
             return self.early.collect(collect)
         if stream is not None and part is not None:
             return self._streams.part(stream, part, lambda w: self._load_windowed(w, slab, part))
-        key = (step, rank, world_size, wanted, select, select_required, window)
+        key = (step, rank, world_size, wanted, select, select_required, window, asked)
         if part is not None and self._windowed is not None and self._windowed[0] == key:
             return self._load_windowed(self._windowed[1], slab, part)
-        plan = self._plan(step, rank, world_size, wanted, select, select_required)
+        plan = self._plan(step, rank, world_size, wanted, select, select_required, asked)
         if window:
             return self._windows(plan, key, slab, window, part, early, stream)
         pooled = slab is not None and slab.size >= plan.size
@@ -927,14 +943,18 @@ class Reader:
         wanted: dict[str, Wanted] | None,
         select: tuple[str, ...] | None,
         select_required: bool,
+        asked: tuple[str, ...] | None,
     ) -> _Plan:
         """What a load reads (see load), checked against the manifest."""
         step, m, rank, shard, smap, where = self._shard(step, rank, world_size)
-        tree = m.trees[rank]
+        tree, borrowed = m.trees[rank], NOTHING
+        asked = select if select is not None else asked
+        if asked and m.world_size > 1:
+            tree, borrowed = graft(m, rank, tree, asked)
         left_out: list[str] = []
         if select is not None:
             tree = _selected(tree, select, select_required, left_out)
-        records, boxes = _wanted(m, tree, shard, wanted, select is not None)
+        records, boxes = _wanted(m, tree, shard, wanted, select is not None, borrowed)
         if m.world_size != world_size:
             check_replicated(m, world_size, records)
         ranges = self._runs(records, where)
@@ -944,7 +964,9 @@ class Reader:
         url = self.catalog.where(fmt.step_dirname(step))
         return _Plan(
             m, step, tree, tuple(left_out), ranges, bases, boxes, out_at, size, smap, where, url
-        )._replace(whole=whole_shard(m.shard_of(rank), ranges, boxes, of=len(shard)))
+        )._replace(
+            whole=whole_shard(m.shard_of(rank), ranges, boxes, of=len(shard)), borrowed=borrowed
+        )
 
     def _shard(
         self, step: int | None, rank: int, world_size: int
@@ -992,23 +1014,30 @@ class Reader:
         try:
             if plan.whole is not None:
                 known = self._known.head(plan.m)
-                head = read_whole(self.storage, self.pool, self._checks.futures, seg, plan, known)
+                head = read_whole(self.storage, self.pool, self.checks.futures, seg, plan, known)
             else:
                 for (lo, hi, items), base in zip(plan.ranges, plan.bases, strict=True):
-                    self._checks.read_verified(
+                    self.checks.read_verified(
                         self.storage, seg, plan.smap, items, (lo, hi), base, plan.where
                     )
-            self._checks.wait()
+            self.checks.wait()
             assembled = assemble(
-                self.catalog, self.pool, plan.m, plan.step, plan.boxes, plan.out_at, seg
+                self.catalog,
+                self.pool,
+                plan.m,
+                plan.step,
+                plan.boxes,
+                plan.out_at,
+                seg,
+                plan.borrowed,
             )
         except CheckpointError as e:
-            self._checks.wait(quiet=True)
+            self.checks.wait(quiet=True)
             if (gone := deleted_under(self.catalog, plan.step, e)) is not e:
                 raise gone from None
             raise
         except BaseException:
-            self._checks.wait(quiet=True)
+            self.checks.wait(quiet=True)
             raise
         read = head + sum(hi - lo for lo, hi, _ in plan.ranges)
         return read + (assembled.read_bytes if assembled else 0)
@@ -1059,9 +1088,9 @@ class Reader:
         read = 0
         try:
             for i in todo:
-                read += self._fill(seg, windowed, i, crcs)
+                read += fill_window(self, seg, windowed, i, crcs)
         finally:
-            self._checks.wait(quiet=True)
+            self.checks.wait(quiet=True)
         whole = part is None
         return plan.reply(
             segment=None,
@@ -1071,53 +1100,54 @@ class Reader:
             windows=windows,
         )
 
-    def _fill(
-        self, seg: Segment, windowed: _Windowed, index: int, crcs: dict[str, int] | None
-    ) -> int:
-        """Read window ``index`` of a windowed load's output into ``seg`` from its start and
-        check them: each tensor wholly in the window by its crc32c, each distributed box
-        as it is assembled. A tensor split between windows is checked when ``crcs`` (its
-        running crc32c by name, the windows filled in order) is given, that is in the pass
-        that reads them all, or in a streamed load; the bytes read."""
-        plan = windowed.plan
-        a, b = windowed.windows[index]
-        read = 0
-        ranges = zip(plan.ranges, plan.bases, windowed.edges, strict=True)
-        for (lo, hi, items), base, (starts, ends) in ranges:
-            x, y = max(a, base), min(b, base + hi - lo)
-            if x > y or (x == y and hi > lo):
-                continue  # no byte of the range here (an empty one is checked where it lies)
-            whole: Tensors = []
-            split: Tensors = []
-            # Only the tensors that end at a or later and start at b or sooner can lie in the
-            # window: at 20k tensors, looking at every one took 17 ms a window.
-            first = bisect.bisect_left(ends, a - base + lo)
-            for name, r in items[first : bisect.bisect_right(starts, b - base + lo)]:
-                o, e = r.start - lo + base, r.end - lo + base
-                if a <= o and e <= b:
-                    whole.append((name, r))
-                elif o < b and e > a:
-                    split.append((name, r))
-            # Read in chunks, each one's whole tensors checked while the next is read.
-            span = (lo + x - base, lo + y - base)
-            self._checks.read_verified(self.storage, seg, plan.smap, whole, span, x - a, plan.where)
-            read += y - x
-            if crcs is not None:
-                _check_split(seg, plan.where, split, lo - base + a, a, b, crcs)
-        inside = [
-            (name, dtype, box)
-            for name, dtype, box in plan.boxes
-            if windowed.box_window[name] == index
-        ]
-        if inside:
-            shifted = {name: plan.out_at[name] - a for name, _, _ in inside}
-            assembled = assemble(self.catalog, self.pool, plan.m, plan.step, inside, shifted, seg)
-            read += assembled.read_bytes if assembled else 0
-        self._checks.wait()
-        return read
-
     def close(self) -> None:
         """Unlink the segments of every load served: the trainer maps each one it takes over
         (a mapping outlives the name), and none may outlive the daemon."""
         for name in self.load_segments:
             unlink(name)
+
+
+def fill_window(
+    reader: Reader, seg: Segment, windowed: _Windowed, index: int, crcs: dict[str, int] | None
+) -> int:
+    """Read window ``index`` of a windowed load's output into ``seg`` from its start and
+    check them: each tensor wholly in the window by its crc32c, each distributed box
+    as it is assembled. A tensor split between windows is checked when ``crcs`` (its
+    running crc32c by name, the windows filled in order) is given, that is in the pass
+    that reads them all, or in a streamed load; the bytes read."""
+    plan = windowed.plan
+    a, b = windowed.windows[index]
+    read = 0
+    ranges = zip(plan.ranges, plan.bases, windowed.edges, strict=True)
+    for (lo, hi, items), base, (starts, ends) in ranges:
+        x, y = max(a, base), min(b, base + hi - lo)
+        if x > y or (x == y and hi > lo):
+            continue  # no byte of the range here (an empty one is checked where it lies)
+        whole: Tensors = []
+        split: Tensors = []
+        # Only the tensors that end at a or later and start at b or sooner can lie in the
+        # window: at 20k tensors, looking at every one took 17 ms a window.
+        first = bisect.bisect_left(ends, a - base + lo)
+        for name, r in items[first : bisect.bisect_right(starts, b - base + lo)]:
+            o, e = r.start - lo + base, r.end - lo + base
+            if a <= o and e <= b:
+                whole.append((name, r))
+            elif o < b and e > a:
+                split.append((name, r))
+        # Read in chunks, each one's whole tensors checked while the next is read.
+        span = (lo + x - base, lo + y - base)
+        reader.checks.read_verified(reader.storage, seg, plan.smap, whole, span, x - a, plan.where)
+        read += y - x
+        if crcs is not None:
+            _check_split(seg, plan.where, split, lo - base + a, a, b, crcs)
+    inside = [
+        (name, dtype, box) for name, dtype, box in plan.boxes if windowed.box_window[name] == index
+    ]
+    if inside:
+        shifted = {name: plan.out_at[name] - a for name, _, _ in inside}
+        assembled = assemble(
+            reader.catalog, reader.pool, plan.m, plan.step, inside, shifted, seg, plan.borrowed
+        )
+        read += assembled.read_bytes if assembled else 0
+    reader.checks.wait()
+    return read

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
 
 import crc32c
 
@@ -59,6 +60,17 @@ def wanted_box(rec: dtable.DTensorRecord, want: Wanted | None) -> Chunk | None:
     return chunk
 
 
+class Saved(Protocol):
+    """What the assembler reads a tensor by: a distributed tensor's record, or a plain tensor
+    of another rank's shard read as one chunk (see graft.Borrowed)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...
+    def covering(self, box: Chunk) -> list[dtable.ChunkRecord]: ...
+
+
 class Assembler:
     """Fills boxes of distributed tensors in ``out`` from the chunks of their shards."""
 
@@ -74,7 +86,7 @@ class Assembler:
         self.read_bytes = 0
         self.used_bytes = 0
 
-    def fill(self, rec: dtable.DTensorRecord, box: Chunk, out: memoryview) -> None:
+    def fill(self, rec: Saved, box: Chunk, out: memoryview) -> None:
         """Assemble ``box`` of ``rec`` into ``out`` (its row-major bytes)."""
         itemsize = DTYPE_SIZES[rec.dtype]
         self.used_bytes += box.numel * itemsize

@@ -166,6 +166,7 @@ class Daemon:
             collect=req.collect,
             image=req.image,
             stream=req.stream,
+            asked=req.asked,
         )
 
     def _warm(self, req: WarmReq) -> None:

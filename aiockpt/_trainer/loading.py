@@ -167,6 +167,7 @@ class Loader:
                 wanted=wanted or None,
                 select=keys,
                 select_required=required,
+                asked=None if keys is not None else target_paths(into),
                 early=early,
                 image=layout.image if slab is not None and layout is not None else None,
             )
@@ -269,6 +270,7 @@ class Loader:
         load stays under ``staging_memory`` as a save does (see _windowed)."""
         ask: dict[str, Any] = {"wanted": wanted or None, "select": keys, "window": window}
         ask["select_required"] = required
+        ask["asked"] = None if keys is not None else target_paths(into)
         restore = (into, held, strict, keys if required else None)
         slabs = await self._pool.acquire_windows(window)
         try:
