@@ -24,15 +24,18 @@ stale() {
 if stale .venv/.aiockpt-demo; then
   # torch first and pinned: the CPU build; a bare "torch" could pull a multi-GB CUDA build.
   echo "== installing torch 2.13.0 (the CPU build)"
-  pip_install torch==2.13.0
+  pip_install torch==2.13.0 numpy  # numpy: torch warns at import without it
   echo "== installing aiockpt and its runtime dependencies"
-  pip_install -e .
+  # compat: the checkout's folder goes on sys.path, so the package is found even where a
+  # folder named aiockpt (this checkout, seen from beside it) would shadow the default
+  # editable install's import hook as an empty namespace package.
+  pip_install -e . --config-settings editable_mode=compat
   touch .venv/.aiockpt-demo
 fi
 if [ "$venv_for" = dev ]; then
   # Editable installs of every plugin in plugins/ (and test-only plugins), with its "test"
   # extra where it has one (what its tests need, such as an emulator).
-  pkgs=(-e ".[dev]")
+  pkgs=(-e ".[dev]" --config-settings editable_mode=compat)
   for p in plugins/*/ tests/plugins/*/; do
     [ -f "$p/pyproject.toml" ] || continue
     if grep -q '^test = ' "$p/pyproject.toml"; then pkgs+=(-e "$p[test]"); else pkgs+=(-e "$p"); fi

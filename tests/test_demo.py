@@ -42,3 +42,17 @@ def test_the_demo_resumes_as_if_never_stopped(tmp_path: Path) -> None:
 
     whole = losses(run(tmp_path / "whole"))
     assert whole == {**losses(stopped), **losses(resumed)}
+
+
+def test_a_script_beside_a_checkout_named_aiockpt_imports_the_package(tmp_path: Path) -> None:
+    """A newcomer's script next to the checkout's folder, itself named aiockpt, imports the
+    installed package, not that folder as an empty namespace package."""
+    (tmp_path / "aiockpt").symlink_to(REPO, target_is_directory=True)
+    (tmp_path / "mine.py").write_text(
+        "import aiockpt\nprint(aiockpt.AsyncCheckpointManager.__module__)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "mine.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "aiockpt._trainer.manager"
