@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -37,10 +39,16 @@ class AiockptCheckpointIO(CheckpointIO):
     ``validate``, ``test`` or ``predict``.
 
     ``save_checkpoint`` returns once aiockpt has copied the checkpoint's tensors; the write
-    goes on in aiockpt's daemon. Once it has committed, a small pointer file is written at the
-    path Lightning named (``epoch=0-step=10.ckpt``), naming the aiockpt step that holds the
-    checkpoint: ``global_step * SAVES_PER_GLOBAL_STEP + n``, ``n`` counting the saves at that
-    global step. ``load_checkpoint`` reads such a pointer; ``remove_checkpoint`` deletes the
+    goes on in aiockpt's daemon. A small pointer file at the path Lightning named
+    (``epoch=0-step=10.ckpt``) names the aiockpt step that holds the checkpoint:
+    ``global_step * SAVES_PER_GLOBAL_STEP + n``, ``n`` counting the saves at that global step.
+    A new name's pointer is written as the save starts (the name is taken), one over an
+    existing pointer once the save commits. Global rank 0 saves and removes, on a process
+    group of its own; the other ranks only load, through read-only managers. Opening the root
+    for writing puts right what a killed run left (docs/lightning.md, "After a killed run").
+    Thread-safe: one manager at a time, whichever thread opens it.
+
+    ``load_checkpoint`` reads such a pointer; ``remove_checkpoint`` deletes the
     pointer and the aiockpt checkpoint it names. Nothing is pickled: values aiockpt cannot
     store as they are are converted losslessly (and back on load) or refused with an
     :class:`aiockpt.UnsupportedValueError` naming every key path at fault.
@@ -54,14 +62,53 @@ class AiockptCheckpointIO(CheckpointIO):
                 "AiockptCheckpointIO takes no retention policy: ModelCheckpoint decides which "
                 "checkpoints are kept (save_top_k) and removes the others through the plugin"
             )
+        if manager_kwargs.get("process_group") is not None or manager_kwargs.get("read_only"):
+            raise ValueError(
+                "AiockptCheckpointIO chooses the process group and read_only itself: global "
+                "rank 0 saves alone, and the other ranks read"
+            )
         self._manager_kwargs = dict(manager_kwargs)
         CheckpointManager(self.root, **self._manager_kwargs)  # bad arguments fail now
         self._session: Session | None = None
+        #: One session at a time, whatever thread asks (AsyncCheckpointIO saves from its own).
+        self._lock = threading.RLock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # ddp_spawn pickles the plugin for its processes: each opens a session of its own.
+        state = self.__dict__.copy()
+        state["_session"] = None
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
 
     def _open(self) -> Session:
-        if self._session is None:
-            self._session = Session(self.root, self._manager_kwargs)
-        return self._session
+        """The open session; opened now if there is none: a writer on global rank 0 (with a
+        process group of its own rank alone, so that no collective waits for ranks that do
+        not save), a reader on the other ranks."""
+        with self._lock:
+            if self._session is None:
+                rank, group = _own_group()
+                self._session = Session(
+                    self.root, self._manager_kwargs, writer=rank == 0, process_group=group
+                )
+            return self._session
+
+    @contextmanager
+    def _using(self) -> Iterator[Session]:
+        """The session, for a load or a removal: one opened for it is closed after it, so that
+        a load (each rank's, at a resume) or a removal made outside a run holds no root."""
+        with self._lock:
+            opened = self._session is None
+            session = self._open()
+            try:
+                yield session
+            finally:
+                if opened:
+                    self._session = None
+                    session.close()
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None
@@ -81,16 +128,20 @@ class AiockptCheckpointIO(CheckpointIO):
         os.makedirs(os.path.dirname(target), exist_ok=True)
         global_step = _count(checkpoint, "global_step")
         epoch = _count(checkpoint, "epoch")
-        session = self._open()
-        pointer = Pointer(self.root, session.next_step(global_step), global_step, epoch)
-        metadata = {
-            "lightning": {
-                "file": os.path.basename(target),
-                "global_step": global_step,
-                "epoch": epoch,
+        with self._lock:
+            session = self._open()
+            _check_writer(session, "save_checkpoint")
+            session.prepare(os.path.dirname(target))
+            pointer = Pointer(self.root, session.next_step(global_step), global_step, epoch)
+            metadata = {
+                "lightning": {
+                    "file": os.path.basename(target),
+                    "path": target,
+                    "global_step": global_step,
+                    "epoch": epoch,
+                }
             }
-        }
-        session.save(target, state, pointer, metadata)
+            session.save(target, state, pointer, metadata)
 
     def load_checkpoint(
         self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
@@ -101,26 +152,33 @@ class AiockptCheckpointIO(CheckpointIO):
         device = _device(map_location)
         target = os.path.abspath(_pointer.local_path(path))
         self.wait()  # a pointer is written once its save commits
-        if not os.path.exists(target):
-            raise FileNotFoundError(f"Checkpoint file not found: {target}")
-        pointer = _pointer.read(target)
-        if pointer is None:
-            raise ValueError(
-                f"{target} is not an aiockpt-lightning pointer file (a checkpoint written by "
-                "torch.save? load it without the AiockptCheckpointIO plugin)"
-            )
-        if pointer.root != self.root:
-            raise ValueError(
-                f"{target} names a checkpoint of the aiockpt root {pointer.root}, and this "
-                f"plugin's root is {self.root}: use AiockptCheckpointIO({pointer.root!r})"
-            )
-        try:
-            state = self._open().manager.load(pointer.step)
-        except CheckpointNotFoundError as e:
-            raise CheckpointNotFoundError(
-                f"{target} names step {pointer.step} of {self.root} (global step "
-                f"{pointer.global_step}), which holds no committed checkpoint: {e}"
-            ) from e
+        with self._using() as session:
+            # (Opening a writer put right what a killed run left: the pointer is read after.)
+            if not os.path.exists(target):
+                raise FileNotFoundError(f"Checkpoint file not found: {target}")
+            pointer = _pointer.read(target)
+            if pointer is None:
+                raise ValueError(
+                    f"{target} is not an aiockpt-lightning pointer file (a checkpoint written "
+                    "by torch.save? load it without the AiockptCheckpointIO plugin)"
+                )
+            if pointer.root != self.root:
+                raise ValueError(
+                    f"{target} names a checkpoint of the aiockpt root {pointer.root}, and this "
+                    f"plugin's root is {self.root}: use AiockptCheckpointIO({pointer.root!r})"
+                )
+            if not session.writer:
+                # A reader sees what the writer puts right as it opens, whether or not the
+                # writer has yet: every rank loads the same checkpoint.
+                pointer = session.resolve(target, pointer)
+            try:
+                state = session.manager.load(pointer.step)
+            except CheckpointNotFoundError as e:
+                raise CheckpointNotFoundError(
+                    f"{target} names step {pointer.step} of {self.root} (global step "
+                    f"{pointer.global_step}), which holds no committed checkpoint (its save "
+                    f"never finished?): {e}"
+                ) from e
         checkpoint = decode(state)
         return checkpoint if device is None else _to_device(checkpoint, device)
 
@@ -130,20 +188,56 @@ class AiockptCheckpointIO(CheckpointIO):
         file in the same directory (a copy) still names it. A symbolic link is unlinked and
         the file it names kept."""
         target = os.path.abspath(_pointer.local_path(path))
-        self._open().remove(target)
+        with self._using() as session:
+            _check_writer(session, "remove_checkpoint")
+            session.remove(target)  # (a session opened for it finishes as it closes)
 
     def wait(self) -> None:
         """Block until every save so far is committed and its pointer file written; raise
         the error of a save that failed."""
-        if self._session is not None:
-            self._session.wait()
+        session = self._session
+        if session is not None:
+            session.wait()
 
     def teardown(self) -> None:
         """Wait for every pending save, then close the aiockpt manager (the next save or load
         opens a new one); raise the error of a save that failed."""
-        session, self._session = self._session, None
+        with self._lock:
+            session, self._session = self._session, None
         if session is not None:
             session.close()
+
+
+def _check_writer(session: Session, what: str) -> None:
+    if not session.writer:
+        raise RuntimeError(
+            f"AiockptCheckpointIO.{what} was called on global rank {_own_group()[0]}: the "
+            "plugin saves and removes checkpoints on global rank 0 only, as Lightning's "
+            "strategies that use a CheckpointIO do"
+        )
+
+
+#: This process's own one-rank process group, by the default group it was made in.
+_GROUPS: dict[int, tuple[Any, Any]] = {}
+
+
+def _own_group() -> tuple[int, Any]:
+    """This process's global rank, and the process group for its manager: None without
+    torch.distributed (or with one process), else a gloo group of this rank alone, made once
+    (by this rank alone: ``use_local_synchronization``, no other rank takes part)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return 0, None
+    rank = dist.get_rank()
+    if dist.get_world_size() == 1:
+        return rank, None
+    world = dist.group.WORLD
+    made = _GROUPS.get(id(world))
+    if made is None or made[0] is not world:
+        group = dist.new_group([rank], backend="gloo", use_local_synchronization=True)
+        made = _GROUPS[id(world)] = (world, group)
+    return rank, made[1]
 
 
 def _count(checkpoint: Mapping[str, Any], key: str) -> int:

@@ -12,11 +12,22 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FORMAT", "Pointer", "local_path", "read", "referenced_in", "write"]
+__all__ = [
+    "FORMAT",
+    "Pointer",
+    "local_path",
+    "read",
+    "referenced_in",
+    "steps_named_in",
+    "temp_owner",
+    "write",
+]
 
 #: The key and version that mark a pointer file.
 FORMAT = "aiockpt-lightning"
 VERSION = 1
+#: What write() adds to a path for its temporary file, before the writing process's id.
+TEMP = ".aiockpt-tmp-"
 #: A pointer is a few hundred bytes; a larger file is not one (a torch.save checkpoint, say).
 MAX_BYTES = 64 * 1024
 
@@ -82,7 +93,7 @@ def write(path: str, pointer: Pointer) -> None:
     symbolic link is replaced, not followed)."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.aiockpt-tmp-{os.getpid()}"
+    tmp = f"{path}{TEMP}{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
             f.write(pointer.to_json())
@@ -100,21 +111,35 @@ def write(path: str, pointer: Pointer) -> None:
         os.close(fd)
 
 
-def referenced_in(directory: str, root: str, step: int) -> bool:
-    """Whether a pointer file in ``directory`` (not a symbolic link) names ``root``'s
-    ``step``: a copy of a pointer keeps its checkpoint alive."""
+def temp_owner(name: str) -> int | None:
+    """The id of the process whose temporary pointer file is named ``name``; None when
+    ``name`` is not one."""
+    base, sep, pid = name.rpartition(TEMP)
+    return int(pid) if sep and base and pid.isdigit() else None
+
+
+def steps_named_in(directory: str, root: str) -> set[int]:
+    """The steps of ``root`` that the pointer files in ``directory`` name (symbolic links
+    are not followed: they name a file, not a step)."""
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
-        return False
+        return set()
+    steps = set()
     for name in names:
         path = os.path.join(directory, name)
-        if os.path.islink(path) or not os.path.isfile(path):
+        if temp_owner(name) is not None or os.path.islink(path) or not os.path.isfile(path):
             continue
         try:
             pointer = read(path)
         except OSError:
             continue
-        if pointer is not None and pointer.root == root and pointer.step == step:
-            return True
-    return False
+        if pointer is not None and pointer.root == root:
+            steps.add(pointer.step)
+    return steps
+
+
+def referenced_in(directory: str, root: str, step: int) -> bool:
+    """Whether a pointer file in ``directory`` (not a symbolic link) names ``root``'s
+    ``step``: a copy of a pointer keeps its checkpoint alive."""
+    return step in steps_named_in(directory, root)

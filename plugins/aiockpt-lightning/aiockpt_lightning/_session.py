@@ -1,19 +1,28 @@
 """One open aiockpt manager of the plugin, and the thread that finishes its saves.
 
-A save returns once aiockpt has taken its snapshot. The committer thread then waits for the
-commit and only then writes the pointer file at the path Lightning named, so a pointer file
-always names a committed checkpoint: a run that dies mid-save leaves the previous pointer (the
-previous ``last.ckpt``, say) in place. The thread also deletes the aiockpt checkpoints that no
-pointer names any more (removed by ``save_top_k``, or whose pointer was overwritten), each
-once its save has committed.
+A save returns once aiockpt has taken its snapshot. A save to a new name writes its pointer
+file at once, so that the name is taken (ModelCheckpoint versions names by asking whether the
+file exists); a save over an existing pointer (``last.ckpt``) leaves it in place until the
+commit. The committer thread waits for each commit, then writes the pointer, and deletes the
+aiockpt checkpoints that no pointer names any more (removed by ``save_top_k``, or whose
+pointer was overwritten), each once its save has committed.
+
+Each committed checkpoint records, in its metadata, the path of its pointer. A writing session
+uses that to put right what a killed run left (see :meth:`Session.recover`); a reading one to
+load, for a pointer, the newest checkpoint committed for it (see :meth:`Session.resolve`).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import json
+import logging
 import os
 import queue
 import shutil
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +40,22 @@ __all__ = ["SAVES_PER_GLOBAL_STEP", "Session"]
 SAVES_PER_GLOBAL_STEP = 1000
 #: aiockpt's step directories have 12 digits.
 MAX_GLOBAL_STEP = 10**12 // SAVES_PER_GLOBAL_STEP - 1
+
+log = logging.getLogger("aiockpt_lightning")
+
+#: Sessions still open, closed at interpreter exit (see _close_at_exit).
+_OPEN: weakref.WeakSet[Session] = weakref.WeakSet()
+
+
+@dataclass(frozen=True)
+class _Committed:
+    """What a committed step's manifest says of it."""
+
+    created_at: float
+    #: The pointer file it was saved for (absolute); None for a checkpoint saved otherwise.
+    path: str | None
+    global_step: int
+    epoch: int
 
 
 @dataclass(eq=False)
@@ -54,18 +79,36 @@ class _Forget:
 class Session:
     """An open CheckpointManager, its committer thread, and the saves not yet finished."""
 
-    def __init__(self, root: str, manager_kwargs: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        root: str,
+        manager_kwargs: dict[str, Any],
+        *,
+        writer: bool = True,
+        process_group: Any = None,
+    ) -> None:
         self.root = root
+        self.writer = writer
         self._storage_options = manager_kwargs.get("storage_options")
-        self.manager = CheckpointManager(root, **manager_kwargs)
+        options = dict(manager_kwargs, process_group=process_group)
+        if not writer:
+            options.pop("takeover", None)
+            options["read_only"] = True
+        self.manager = CheckpointManager(root, **options)
         self.manager.open()
+        self._storage: Storage | None = None
+        #: Directories saved into by this session (see _tidy).
+        self._tidied: set[str] = set()
+        self._lock = threading.Lock()
         try:
             self._taken = set(self.manager.steps())
+            self.committed = self._catalog(self._taken)
+            if writer:
+                self.recover()
         except BaseException:
             self.manager.close()
+            self._close_storage()
             raise
-        self._storage: Storage | None = None
-        self._lock = threading.Lock()
         #: Saves whose pointer is not written yet, by path.
         self._pending: dict[str, list[_Save]] = {}
         self._jobs: queue.Queue[_Save | _Forget | None] = queue.Queue()
@@ -74,6 +117,86 @@ class Session:
             target=self._run, name="aiockpt-lightning-committer", daemon=True
         )
         self._thread.start()
+        _OPEN.add(self)
+
+    # ----------------------------------------------------------------- what a run left
+
+    def _catalog(self, steps: set[int]) -> dict[int, _Committed]:
+        """What the manifests of the committed ``steps`` say."""
+        storage = self._open_storage()
+        out = {}
+        for step in sorted(steps):
+            name = f"step_{step:012d}/manifest.json"
+            manifest = json.loads(storage.read_range(name, 0, storage.size(name)))
+            meta = (manifest.get("metadata") or {}).get("lightning") or {}
+            path = meta.get("path")
+            out[step] = _Committed(
+                float(manifest.get("created_at", 0.0)),
+                path if isinstance(path, str) else None,
+                int(meta.get("global_step", 0)),
+                int(meta.get("epoch", 0)),
+            )
+        return out
+
+    def resolve(self, path: str, pointer: Pointer) -> Pointer:
+        """The pointer ``path`` should hold: ``pointer``, or one to the newest checkpoint
+        committed for ``path`` after the one ``pointer`` names (a run killed between that
+        commit and the rewrite of the pointer file). A pointer to a step that never
+        committed stays as it is: its name was taken by a save that did not finish."""
+        if pointer.root != self.root or pointer.step not in self.committed:
+            return pointer
+        best, when = pointer, self.committed[pointer.step].created_at
+        for step, info in self.committed.items():
+            if info.path == path and (info.created_at, step) > (when, best.step):
+                best, when = Pointer(self.root, step, info.global_step, info.epoch), info.created_at
+        return best
+
+    def recover(self) -> None:
+        """Put right what a killed run left, in the directories of this root's pointers:
+        remove temporary pointer files of processes that are gone and pointers to steps that
+        never committed; point each pointer file at the newest checkpoint committed for it;
+        delete the checkpoints saved through the plugin that no pointer file names."""
+        paths = {info.path for info in self.committed.values() if info.path is not None}
+        for directory in sorted({os.path.dirname(p) for p in paths}):
+            self._tidy(directory)
+        for path in sorted(paths):
+            current = _read_pointer(path)
+            if current is None:
+                continue
+            newest = self.resolve(path, current)
+            if newest != current:
+                _pointer.write(path, newest)
+        named: set[int] = set()
+        for directory in {os.path.dirname(p) for p in paths}:
+            named |= _pointer.steps_named_in(directory, self.root)
+        for step, info in sorted(self.committed.items()):
+            if info.path is not None and step not in named:
+                self._delete(step)
+                self._taken.discard(step)
+                del self.committed[step]
+
+    def _tidy(self, directory: str) -> None:
+        """Remove from ``directory`` the temporary pointer files of processes that are gone,
+        and the pointers to steps of this root that are neither committed nor being saved."""
+        self._tidied.add(directory)
+        try:
+            names = os.listdir(directory)
+        except FileNotFoundError:
+            return
+        for name in names:
+            path = os.path.join(directory, name)
+            pid = _pointer.temp_owner(name)
+            if pid is not None:
+                if pid != os.getpid() and not _alive(pid):
+                    _unlink(path)
+                continue
+            pointer = _read_pointer(path)
+            if (
+                pointer is not None
+                and pointer.root == self.root
+                and pointer.step not in self._taken
+            ):
+                _unlink(path)
 
     # ----------------------------------------------------------------- trainer side
 
@@ -93,13 +216,22 @@ class Session:
             f"{self.root}: remove some of them"
         )
 
+    def prepare(self, directory: str) -> None:
+        """Before the first save into ``directory``: clear what a killed run left there."""
+        if directory not in self._tidied:
+            with self._lock:
+                self._tidy(directory)
+
     def save(self, path: str, state: Any, pointer: Pointer, metadata: dict[str, Any]) -> None:
-        """Start the save of ``state``; returns once aiockpt has taken its snapshot."""
+        """Start the save of ``state``; returns once aiockpt has taken its snapshot. A new
+        name's pointer file is written at once: the name is taken."""
         self.raise_error()
         handle = self.manager.save(pointer.step, state, metadata=metadata)
         self._taken.add(pointer.step)
         job = _Save(path, pointer, handle)
         with self._lock:
+            if not os.path.lexists(path) and path not in self._pending:
+                _pointer.write(path, pointer)
             self._pending.setdefault(path, []).append(job)
         self._jobs.put(job)
 
@@ -138,14 +270,24 @@ class Session:
 
     def close(self) -> None:
         """Finish every save, stop the thread and close the manager; raise the first error."""
+        _OPEN.discard(self)
         self._jobs.put(None)
         self._thread.join()
         try:
             self.manager.close()
         finally:
-            if self._storage is not None:
-                self._storage.close()
+            self._close_storage()
         self.raise_error()
+
+    def _close_storage(self) -> None:
+        storage, self._storage = self._storage, None
+        if storage is not None:
+            storage.close()
+
+    def _open_storage(self) -> Storage:
+        if self._storage is None:
+            self._storage = open_storage(self.root, self._storage_options)
+        return self._storage
 
     # ----------------------------------------------------------------- committer thread
 
@@ -199,8 +341,46 @@ class Session:
     def _delete(self, step: int) -> None:
         """Delete a committed step as aiockpt's format prescribes: its manifest first, so a
         deletion cut short leaves a partial directory, never a damaged checkpoint."""
-        if self._storage is None:
-            self._storage = open_storage(self.root, self._storage_options)
+        storage = self._open_storage()
         directory = f"step_{step:012d}"
-        self._storage.delete(f"{directory}/manifest.json")
-        self._storage.delete(directory, recursive=True)
+        storage.delete(f"{directory}/manifest.json")
+        storage.delete(directory, recursive=True)
+
+
+def _read_pointer(path: str) -> Pointer | None:
+    """The pointer in the regular file at ``path``; None for anything else."""
+    if os.path.islink(path) or not os.path.isfile(path):
+        return None
+    try:
+        return _pointer.read(path)
+    except OSError:
+        return None
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a process of another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """At interpreter exit, close the sessions nobody tore down (wrapped in Lightning's
+    AsyncCheckpointIO, whose teardown does not reach the plugin's; a ddp_spawn process's
+    last save, made after the Trainer's teardown), so that their saves commit and their
+    pointer files are written. Runs before aiockpt's own exit handler, registered earlier."""
+    for session in list(_OPEN):
+        try:
+            session.close()
+        except Exception:
+            log.exception("closing the aiockpt-lightning session of %s at exit", session.root)

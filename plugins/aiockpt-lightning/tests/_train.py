@@ -3,15 +3,18 @@ step-wise learning-rate schedule, checkpointed through AiockptCheckpointIO.
 
 Importable (``run``) and runnable in a fresh process::
 
-    python _train.py ROOT DIRPATH MAX_STEPS CKPT_PATH|- OUT.json
+    python _train.py ROOT DIRPATH MAX_STEPS CKPT_PATH|- OUT.json [STRATEGY DEVICES]
 
 which writes the run's record (losses, final weights and optimizer state, each float as
-``float.hex``, exact) to OUT.json.
+``float.hex``, exact) to OUT.json, from global rank 0. With STRATEGY ``ddp`` Lightning starts
+the other ranks by running this script again; with ``ddp_spawn`` it spawns them. Every rank
+trains on the same batches, so a run on several CPU processes computes what one process does.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -67,19 +70,32 @@ class Tiny(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def trainer(io: AiockptCheckpointIO, max_steps: int, callbacks: Sequence[Callback]) -> L.Trainer:
-    """A quiet CPU Trainer: no logger, progress bar or model summary."""
+def trainer(
+    io: Any,
+    max_steps: int,
+    callbacks: Sequence[Callback],
+    strategy: Any = "auto",
+    devices: int = 1,
+    **kwargs: Any,
+) -> L.Trainer:
+    """A quiet CPU Trainer: no logger, progress bar or model summary. ``io`` is the plugin,
+    perhaps wrapped (AsyncCheckpointIO); its aiockpt root is also the Trainer's root dir."""
+    base = io
+    while not isinstance(base, AiockptCheckpointIO):
+        base = base.checkpoint_io
     return L.Trainer(
         max_steps=max_steps,
         plugins=[io],
         callbacks=list(callbacks),
         accelerator="cpu",
-        devices=1,
+        devices=devices,
+        strategy=strategy,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         deterministic=True,
-        default_root_dir=io.root,  # nothing goes to the working directory
+        default_root_dir=base.root,  # nothing goes to the working directory
+        **kwargs,
     )
 
 
@@ -89,17 +105,41 @@ def run(
     max_steps: int,
     ckpt_path: str | None = None,
     callbacks: Sequence[Callback] | None = None,
+    strategy: str = "auto",
+    devices: int = 1,
 ) -> dict[str, Any]:
-    """Fit Tiny (saving every 4 steps, all kept, and last.ckpt); the run's record."""
+    """Fit Tiny (saving every 4 steps, all kept, and last.ckpt); the run's record, as global
+    rank 0 saw it."""
     if callbacks is None:
         callbacks = [
             ModelCheckpoint(dirpath=dirpath, every_n_train_steps=4, save_top_k=-1, save_last=True)
         ]
+    kept = Keep()
     torch.manual_seed(0)
     model = Tiny()
-    fit = trainer(AiockptCheckpointIO(root), max_steps, callbacks)
+    fit = trainer(AiockptCheckpointIO(root), max_steps, [*callbacks, kept], strategy, devices)
     fit.fit(model, train_dataloaders=Batches(), ckpt_path=ckpt_path)
-    return record(model, fit)
+    return kept.record
+
+
+class Keep(Callback):
+    """Keeps the run's record as it ends (in the process of global rank 0, which under
+    ``ddp_spawn`` is not the one that called ``fit``) in ``record``, and writes it as JSON to
+    ``out`` if given."""
+
+    def __init__(self, out: str | None = None) -> None:
+        self.out = out
+        self.record: dict[str, Any] = {}
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Take the record on global rank 0."""
+        if not trainer.is_global_zero:
+            return
+        assert isinstance(pl_module, Tiny)
+        self.record = record(pl_module, trainer)
+        if self.out is not None:
+            with open(self.out, "w") as f:
+                json.dump(self.record, f)
 
 
 def _hex(t: torch.Tensor) -> list[str]:
@@ -123,8 +163,23 @@ def record(model: Tiny, fit: L.Trainer) -> dict[str, Any]:
     }
 
 
+def main(argv: Sequence[str]) -> None:
+    """The command line (see the module's docstring)."""
+    root, dirpath, max_steps, ckpt, out, *rest = argv
+    strategy, devices = (rest[0], int(rest[1])) if rest else ("auto", 1)
+    callbacks = [
+        ModelCheckpoint(dirpath=dirpath, every_n_train_steps=4, save_top_k=-1, save_last=True),
+        Keep(os.path.abspath(out)),
+    ]
+    torch.manual_seed(0)
+    fit = trainer(AiockptCheckpointIO(root), int(max_steps), callbacks, strategy, devices)
+    fit.fit(Tiny(), train_dataloaders=Batches(), ckpt_path=None if ckpt == "-" else ckpt)
+
+
 if __name__ == "__main__":
-    root, dirpath, max_steps, ckpt, out = sys.argv[1:]
-    result = run(root, dirpath, int(max_steps), None if ckpt == "-" else ckpt)
-    with open(out, "w") as f:
-        json.dump(result, f)
+    # Through the module's own name, so that what ddp_spawn pickles for its processes (the
+    # model, the callbacks) names an importable module, not __main__.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _train
+
+    _train.main(sys.argv[1:])

@@ -10,7 +10,6 @@ import pathlib
 import subprocess
 import sys
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,21 +47,6 @@ class Recording(AiockptCheckpointIO):
         """Keep a copy, then save."""
         self.saved[os.path.abspath(path)] = copy.deepcopy(checkpoint)
         super().save_checkpoint(checkpoint, path, storage_options)
-
-
-@pytest.fixture
-def plugin() -> Iterator[Callable[..., AiockptCheckpointIO]]:
-    """Makes plugins, and tears each down after the test, whatever the test did."""
-    made: list[AiockptCheckpointIO] = []
-
-    def make(root: Path, cls: type[AiockptCheckpointIO] = AiockptCheckpointIO) -> Any:
-        """A plugin of class ``cls`` on ``root``."""
-        made.append(cls(root))
-        return made[-1]
-
-    yield make
-    for io in made:
-        io.teardown()
 
 
 def assert_same(a: Any, b: Any, path: str = "") -> None:
