@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aiockpt._core import format as fmt
-from aiockpt._core.crc import Shifts, combine, concat
 from aiockpt._core.protocol import LayoutMsg
+from aiockpt._crc import Shifts, combine, concat
 from aiockpt._daemon.writer import FOLD_MIN_AVERAGE, Layout, checksums, shard_checksum
 
 

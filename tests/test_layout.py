@@ -2,7 +2,8 @@
 
 - ``aiockpt/_trainer/``: runs in the training process, next to torch;
 - ``aiockpt/_daemon/``: runs only in the daemon process;
-- shared code: ``aiockpt/_core/``, ``storage/``, ``errors``, ``retention``, ``events``.
+- shared code: ``aiockpt/_core/``, ``storage/``, ``_crc``, ``errors``, ``retention``, ``events``;
+  ``storage/`` is the bottom layer, which ``_core`` builds on.
 
 The rules: the daemon side and the CLI never import torch; the trainer side never imports the
 daemon side; shared code imports neither torch (``events.process_group_info`` imports
@@ -65,6 +66,7 @@ def violations(paths: list[Path], forbidden: tuple[str, ...], **kw: object) -> l
 
 
 SHARED = [
+    *modules("_crc.py"),
     *modules("_core"),
     *modules("storage"),
     *modules("errors.py"),
@@ -86,6 +88,13 @@ def test_shared_code_imports_neither_side_nor_torch():
     assert violations(SHARED, forbidden) == []
     # events: torch.distributed only inside process_group_info, which the trainer calls.
     assert violations(modules("events.py"), forbidden, top_level_only=True) == []
+
+
+def test_storage_is_the_bottom_layer():
+    """The core (formats, catalog, leases) is built on storage, never the other way round;
+    the crc32c arithmetic both use imports nothing of aiockpt."""
+    assert violations(modules("storage"), ("aiockpt._core",)) == []
+    assert [name for _, name in imports(PKG / "_crc.py") if name.startswith("aiockpt")] == []
 
 
 def test_the_protocol_depends_on_nothing_but_the_standard_library():

@@ -17,6 +17,7 @@ PUBLIC_MODULES = [
     "aiockpt.retention",
     "aiockpt.storage",
     "aiockpt.storage.objects",
+    "aiockpt.storage.parts",
     "aiockpt.storage.testing",
 ]
 

@@ -1,4 +1,4 @@
-"""aiockpt.storage._stream: parts cut from pieces as they come, and coroutines kept in flight
+"""aiockpt.storage.parts: parts cut from pieces as they come, and coroutines kept in flight
 on a storage's loop from a plain thread (what the plugins' streamed writes are made of)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiockpt.storage._stream import InFlight, cut_parts
+from aiockpt.storage.parts import InFlight, cut_parts
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ that has a base block of its length is a candidate for the first save.
 it, while its bytes are in cache; a block whose hash the base holds has the base block's bytes,
 hence its crc, which this writer remembers (after a restart, the first save computes them with
 the hashes). A tensor cut into whole blocks gets its crc folded from theirs (see
-:mod:`aiockpt._core.crc`), so unchanged weights are read once, to hash them, and no more.
+:mod:`aiockpt._crc`), so unchanged weights are read once, to hash them, and no more.
 """
 
 from __future__ import annotations

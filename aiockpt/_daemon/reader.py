@@ -25,11 +25,11 @@ from .._core import format as fmt
 from .._core.blocks import ShardMap
 from .._core.catalog import Catalog
 from .._core.chunks import Chunk
-from .._core.crc import Shifts, combine
 from .._core.gc import no_gc
 from .._core.protocol import LoadReply, SlabRef, TensorAt, Wanted
 from .._core.shm import Segment, unlink
 from .._core.tree import select_paths, tensor_references, walk
+from .._crc import Shifts, combine
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,

@@ -19,9 +19,9 @@ import crc32c
 from .._core import blocks as bl
 from .._core import dtable
 from .._core import format as fmt
-from .._core.crc import FOLD_MIN_AVERAGE, concat, fold
 from .._core.protocol import SaveReq, SlabFree
 from .._core.windows import parts
+from .._crc import FOLD_MIN_AVERAGE, concat, fold
 from ..errors import CheckpointError, StorageError
 from .dedup import Base, Plan
 from .pipe import Outbox

@@ -22,10 +22,10 @@ from .._core import dtable
 from .._core import format as fmt
 from .._core.catalog import Catalog, manifest_path
 from .._core.chunks import Chunk
-from .._core.crc import FOLD_MIN_AVERAGE, combine, concat, fold
 from .._core.lease import check_generation
 from .._core.protocol import CheckpointInfo, Hello, LayoutMsg, SaveDone, SaveReq, SlabFree
 from .._core.shm import Segment
+from .._crc import FOLD_MIN_AVERAGE, combine, concat, fold
 from ..errors import CheckpointError, DistributedSaveError, LeaseLostError, StepExistsError
 from ..retention import CheckpointRecord
 from ..storage import CountingStorage

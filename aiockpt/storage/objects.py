@@ -28,7 +28,7 @@ from typing import Any, Protocol, TypeVar
 
 import fsspec.asyn
 
-from .._core.crc import combine as crc32c_combine
+from .._crc import combine as crc32c_combine
 from ..errors import StorageError
 
 __all__ = [

@@ -36,7 +36,6 @@ from typing import Any, TypeVar
 import fsspec.asyn
 
 from aiockpt.errors import StorageError
-from aiockpt.storage._stream import InFlight, cut_parts
 from aiockpt.storage.objects import (
     GaveUp,
     Retrier,
@@ -51,6 +50,7 @@ from aiockpt.storage.objects import (
     split_options,
     storage_errors,
 )
+from aiockpt.storage.parts import InFlight, cut_parts
 
 __all__ = ["AzureOptions", "AzureStorage", "open_azure"]
 

@@ -43,7 +43,6 @@ import crc32c
 import fsspec.asyn
 
 from aiockpt.errors import StorageError
-from aiockpt.storage._stream import InFlight, cut_parts
 from aiockpt.storage.objects import (
     GaveUp,
     crc32c_combine,
@@ -52,6 +51,7 @@ from aiockpt.storage.objects import (
     run_sync,
     storage_errors,
 )
+from aiockpt.storage.parts import InFlight, cut_parts
 
 from ._client import (
     TOKEN_KEY,

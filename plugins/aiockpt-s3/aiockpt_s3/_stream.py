@@ -7,7 +7,7 @@ import itertools
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from aiockpt.storage._stream import InFlight, cut_parts
+from aiockpt.storage.parts import InFlight, cut_parts
 
 if TYPE_CHECKING:
     from ._storage import S3Storage

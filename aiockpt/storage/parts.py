@@ -1,6 +1,8 @@
-"""Helpers for storages whose ``write_file`` takes pieces from an iterator (``writes_in_order``)
-and sends them as the parts of a multipart upload: cut the pieces into parts as they come, and
-keep a bounded number of part uploads in flight on the storage's event loop."""
+"""Public helpers for storage plugins whose ``write_file`` takes pieces from an iterator
+(``writes_in_order``) and sends them as the parts of a multipart upload: cut the pieces into
+parts as they come (:func:`cut_parts`), and keep a bounded number of part uploads in flight on
+the storage's event loop (:class:`InFlight`). See "An object store's plumbing" in the storage
+docs."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import concurrent.futures
 import threading
 from collections.abc import Coroutine, Iterable, Iterator
 from typing import Any, TypeVar
+
+__all__ = ["InFlight", "cut_parts"]
 
 T = TypeVar("T")
 
