@@ -27,6 +27,7 @@ from .._core.catalog import Catalog
 from .._core.pipe import PipeEnd
 from .._core.protocol import (
     CollectPartialsReq,
+    DeleteReq,
     Hello,
     LeaseGrant,
     LoadReply,
@@ -119,7 +120,8 @@ class Daemon:
             fence=fence,
         )
         self.reader = Reader(self.catalog, self.slabs, self.pool)
-        self.save_q: queue.Queue[SaveReq | None] = queue.Queue()
+        #: Saves, and deletions (after the saves sent before them), for the writer thread.
+        self.save_q: queue.Queue[SaveReq | DeleteReq | None] = queue.Queue()
         self.read_q: queue.Queue[ReadReq | None] = queue.Queue()
         self._handlers: dict[type[ReadReq], Callable[[Any], Any]] = {
             LoadReq: self._load,
@@ -128,6 +130,7 @@ class Daemon:
             RecordsReq: self._records,
             CollectPartialsReq: self._collect_partials,
             PublishFailureReq: self._publish_failure,
+            DeleteReq: self._delete,
         }
 
     def start(self) -> LeaseGrant | None:
@@ -182,6 +185,9 @@ class Daemon:
             self.lease.check("remove partial steps")
         return tuple(self.catalog.collect_partials(self.in_flight.snapshot))
 
+    def _delete(self, req: DeleteReq) -> None:
+        self.pruner.delete(req.step, req.allow_latest)
+
     def _publish_failure(self, req: PublishFailureReq) -> None:
         # A respawned daemon tells the other ranks that its predecessor's save failed.
         if self.coord is not None:
@@ -192,23 +198,30 @@ class Daemon:
     def save_loop(self) -> None:
         """The writer thread: each save in order, until the None that ends the queue."""
         while (req := self.save_q.get()) is not None:
+            if isinstance(req, DeleteReq):
+                self.answer(req)
+                continue
             try:
                 self.writer.save(req)
             finally:
                 self.in_flight.discard(req.step)
 
+    def answer(self, req: ReadReq) -> None:
+        """Handle ``req`` and send its :class:`Reply`, whatever happens."""
+        try:
+            reply = Reply(req.id, value=self.handle(req))
+        except BaseException as e:
+            reply = Reply(req.id, error=remote_error(e))
+        try:
+            self.outbox.send(reply)
+        except Exception as e:  # e.g. a reply that cannot be pickled: never hang the caller
+            self.reader.early.drop()  # nor read into a slab it takes back on hearing this
+            self.outbox.send(Reply(req.id, error=remote_error(e)))
+
     def read_loop(self) -> None:
         """The reader thread: each request answered, until the None that ends the queue."""
         while (req := self.read_q.get()) is not None:
-            try:
-                reply = Reply(req.id, value=self.handle(req))
-            except BaseException as e:
-                reply = Reply(req.id, error=remote_error(e))
-            try:
-                self.outbox.send(reply)
-            except Exception as e:  # e.g. a reply that cannot be pickled: never hang the caller
-                self.reader.early.drop()  # nor read into a slab it takes back on hearing this
-                self.outbox.send(Reply(req.id, error=remote_error(e)))
+            self.answer(req)
             self.reader.early.read()  # a load answered early reads its bytes now
 
     def serve(self) -> int:
@@ -227,6 +240,8 @@ class Daemon:
                 break
             if isinstance(msg, SaveReq):
                 self.in_flight.add(msg.step)  # before the writer sees it: see InFlight
+                self.save_q.put(msg)
+            elif isinstance(msg, DeleteReq):
                 self.save_q.put(msg)
             elif isinstance(msg, WindowReady):
                 self.windows.put(msg)

@@ -239,6 +239,11 @@ class AsyncCheckpointManager:
         await self._daemons.stop()
         self._pool.close()
 
+    def _check_writable(self, what: str) -> None:
+        self._check_open()
+        if self.read_only:
+            raise ReadOnlyError(f"this manager of {self.url} was opened read_only=True: no {what}")
+
     def _check_open(self) -> None:
         check_loop(self._loop, "the manager")
         if self._state != "open":
@@ -292,14 +297,18 @@ class AsyncCheckpointManager:
         *,
         metrics: Mapping[str, Any] | None = None,
         metadata: Mapping[str, Any] | None = None,
+        overwrite: bool = False,
     ) -> SaveHandle:
-        """Snapshot ``state`` and start writing it; returns once the state may be mutated."""
-        self._check_open()
-        if self.read_only:
-            raise ReadOnlyError(
-                f"this manager of {self.url} was opened read_only=True: it cannot save"
-            )
-        return await self._saver.save(self._group, step, state, metrics, metadata)
+        """Snapshot ``state`` and start writing it; returns once the state may be mutated.
+        ``overwrite``: replace a committed ``step`` (it loads until the new one commits)."""
+        self._check_writable("save")
+        return await self._saver.save(self._group, step, state, metrics, metadata, overwrite)
+
+    async def delete(self, step: int, *, allow_latest: bool = False) -> None:
+        """Delete the committed ``step`` once the saves before it are done, keeping bytes a
+        kept step reads; the newest only with ``allow_latest``."""
+        self._check_writable("delete")
+        await self._saver.delete(self._group, step, allow_latest)
 
     async def wait(self) -> None:
         """Wait until every pending save has committed; raises the first failure."""
@@ -320,16 +329,7 @@ class AsyncCheckpointManager:
         """The committed step with the best ``metric`` (None when no checkpoint has it);
         ties go to the newer step, and non-finite values never count as best."""
         self._check_open()
-        if not isinstance(metric, str) or not metric:
-            raise ValueError(f"metric must be a non-empty str, not {metric!r}")
-        if mode not in ("min", "max"):
-            raise ValueError(f"mode must be 'min' or 'max', not {mode!r}")
-        records = [
-            CheckpointRecord(r.step, r.created_at, r.metrics)
-            for r in await (await self._daemons.live()).request(RecordsReq)
-        ]
-        order = best_order(records, metric, mode)
-        return records[order[0]].step if order else None
+        return await _best_step(self._daemons, metric, mode)
 
     async def load(
         self,
@@ -391,6 +391,20 @@ def lease_events(events: EventDispatcher, grant: LeaseGrant | None, url: str) ->
             detail=f"{url} cannot create files conditionally: two writers opening it at the "
             "same moment could both take its lease (see docs/reliability.md)",
         )
+
+
+async def _best_step(daemons: Supervisor, metric: str, mode: str) -> int | None:
+    """See AsyncCheckpointManager.best_step."""
+    if not isinstance(metric, str) or not metric:
+        raise ValueError(f"metric must be a non-empty str, not {metric!r}")
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode must be 'min' or 'max', not {mode!r}")
+    records = [
+        CheckpointRecord(r.step, r.created_at, r.metrics)
+        for r in await (await daemons.live()).request(RecordsReq)
+    ]
+    order = best_order(records, metric, mode)
+    return records[order[0]].step if order else None
 
 
 async def _warming(
