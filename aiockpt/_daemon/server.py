@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import queue
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -49,6 +52,7 @@ from .._core.protocol import (
 )
 from .._core.shm import trainer_segments, unlink
 from .._core.storeops import PipeStoreOps
+from ..errors import DaemonStartError
 from ..storage import CountingStorage, Storage, open_storage
 from .coord import Coordinator, no_fence
 from .lease import LeaseKeeper
@@ -279,6 +283,26 @@ class Daemon:
             self.store_ops.close()
 
 
+def with_retention(hello: Hello) -> Hello:
+    """``hello`` with its retention policy unpickled (Hello.retention_pickle), its module
+    imported from the trainer's ``sys.path``: after aiockpt's own folder (first on the path,
+    so aiockpt is the trainer's), in the trainer's order, then what the daemon had besides.
+    A policy whose module cannot be imported fails the start, naming it."""
+    if hello.retention_pickle is None:
+        return hello
+    own = sys.path[1:]
+    sys.path[1:] = [*hello.sys_path, *(p for p in own if p not in hello.sys_path)]
+    try:
+        policy = pickle.loads(hello.retention_pickle)
+    except Exception as e:
+        raise DaemonStartError(
+            f"the daemon could not import the retention policy: {type(e).__name__}: {e}; "
+            "its module must be importable from the trainer's sys.path, and import without "
+            "the trainer's __main__"
+        ) from None
+    return replace(hello, retention=policy, retention_pickle=None)
+
+
 def main(argv: list[str]) -> int:
     """Serve the trainer at the other end of the pipe inherited as file descriptor argv[1]."""
     pipe = PipeEnd(Connection(int(argv[1])))
@@ -297,7 +321,7 @@ def main(argv: list[str]) -> int:
         check_protocol(getattr(hello, "protocol", None), "trainer")
         if not isinstance(hello, Hello):
             raise ProtocolMismatch(f"the trainer sent {type(hello).__name__} instead of Hello")
-        daemon = Daemon(pipe, hello)
+        daemon = Daemon(pipe, with_retention(hello))
         grant = daemon.start()
     except BaseException as e:
         with contextlib.suppress(Exception):

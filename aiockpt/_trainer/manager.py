@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import pickle
+import sys
 import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -176,7 +178,7 @@ class AsyncCheckpointManager:
             hello = Hello(
                 url=self.url,
                 storage_options=self.storage_options,
-                retention=self.retention,
+                **retention_fields(self.retention),
                 rank=self.rank,
                 world_size=self.world_size,
                 trainer_pid=os.getpid(),
@@ -357,6 +359,16 @@ class AsyncCheckpointManager:
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, not {type(flag).__name__}")
         return await self._loader.load(step, into, strict, check_keys(keys), atomic)
+
+
+def retention_fields(policy: Any) -> dict[str, Any]:
+    """The Hello fields of a retention policy: pickled apart from the Hello, with this
+    process's ``sys.path``, so the daemon imports the policy's module where this process
+    found it (a module beside the script, say) before it unpickles it."""
+    if policy is None:
+        return {"retention": None}
+    path = tuple(os.path.abspath(p or os.curdir) for p in sys.path if isinstance(p, str))
+    return {"retention": None, "retention_pickle": pickle.dumps(policy), "sys_path": path}
 
 
 def checks_job_id(job_id: str | None) -> str | None:
