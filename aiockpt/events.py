@@ -362,7 +362,13 @@ def _log(event: Event) -> None:
     if event.detail is not None:
         msg = f"{msg}: {event.detail}"
     if event.error is not None:
-        msg = f"{msg}: {event.error['message']}\n{event.error['traceback'].rstrip()}"
+        # Every error of an operation is raised to its caller (a load's, a save() or its
+        # handle): that is the report, with its traceback. The log says it in one line at
+        # ERROR; the traceback stays in the event (record.aiockpt_event, the JSON lines),
+        # and is logged only at DEBUG.
+        msg = f"{msg}: {event.error['message']}"
+        if level == logging.DEBUG:
+            msg = f"{msg}\n{event.error['traceback'].rstrip()}"
     # The event rides along on the record for logging handlers that want the data.
     logger.log(level, "%s", msg, extra={"aiockpt_event": event})
 

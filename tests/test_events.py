@@ -206,7 +206,9 @@ async def test_save_failing_in_the_daemon_yields_exception_with_the_error(root, 
     assert scopes.tracker.open_scopes() == []
     errors = [r for r in caplog.records if r.name == "aiockpt" and r.levelno == logging.ERROR]
     assert [r.aiockpt_event.name for r in errors] == ["save.exception"]
-    assert "Raised in the daemon" in errors[0].getMessage()
+    # One line: the traceback is the caller's (the handle raised it) and the event's.
+    assert "Raised in the daemon" not in errors[0].getMessage()
+    assert "Raised in the daemon" in errors[0].aiockpt_event.error["traceback"]
 
 
 def ok_uuid(rec: Recorder, step: int) -> str:

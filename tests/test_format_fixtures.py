@@ -199,3 +199,47 @@ def test_a_version_4_save_reads_from_a_version_3_file_and_outlives_it(v3_root: s
     assert torch.equal(three["big"], big + 1)
     done = subprocess.run([SCRIPT, "verify", v3_root], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.fixture
+def v4_replaced_root(tmp_path: Path) -> str:
+    """A replaced step (docs/format.md#replacing-a-step): step 2 saved, step 3 reading its
+    big tensor from step 2's file, then step 2 replaced with ``overwrite=True``; step 2's
+    directory holds its manifest, the new attempt's file and the replaced one's, which step 3
+    still reads."""
+    root = tmp_path / "v4-replaced"
+    shutil.copytree(FIXTURES / "format_v4_replaced", root)
+    return str(root)
+
+
+def test_a_replaced_step_loads_the_replacement_and_the_step_reading_the_replaced_file(
+    v4_replaced_root: str,
+) -> None:
+    big = torch.arange(262144, dtype=torch.float32)
+
+    async def main() -> tuple[list[int], dict, dict]:
+        async with AsyncCheckpointManager(v4_replaced_root, read_only=True) as mgr:
+            return await mgr.steps(), await mgr.load(2), await mgr.load(3)
+
+    steps, two, three = anyio.run(main)
+    assert steps == [2, 3]
+    assert two["name"] == "replaced"
+    assert torch.equal(two["big"], big + 1)
+    assert torch.equal(two["small"], torch.full((4,), 20.0))
+    assert three["name"] == "v4"
+    assert torch.equal(three["big"], big)
+    step_dir = Path(v4_replaced_root) / "step_000000000002"
+    named = json.loads((step_dir / "manifest.json").read_text())["shards"][0]["file"]
+    shards = sorted(p.name for p in step_dir.iterdir() if p.name != "manifest.json")
+    assert len(shards) == 2
+    assert named in shards
+    done = subprocess.run([SCRIPT, "verify", v4_replaced_root], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+    async def delete_three() -> dict:
+        async with AsyncCheckpointManager(v4_replaced_root) as mgr:
+            await mgr.delete(3, allow_latest=True)
+            return await mgr.load(2)
+
+    assert torch.equal(anyio.run(delete_three)["big"], big + 1)
+    assert sorted(p.name for p in step_dir.iterdir()) == sorted([named, "manifest.json"])

@@ -229,8 +229,12 @@ class Catalog:
         self.sweep(step, refs)
         for old in sorted({path.split("/", 1)[0] for path in read or ()}):
             old_step = fmt.parse_step_dirname(old)
-            if old_step is not None and not self.is_committed(old_step):
+            if old_step is None or old_step == step:
+                continue
+            if not self.is_committed(old_step):
                 self.sweep(old_step, refs)
+            else:  # a replaced step, whose replaced files this one was the last to read
+                self.sweep_replaced(old_step, refs=refs)
 
     def note_refs(self, step: int, refs: Iterable[str]) -> None:
         """What a writer knows of the step it just committed: the files its blocks refer to."""
@@ -276,6 +280,25 @@ class Catalog:
             if f"{dirname}/{name}" not in kept:
                 self.storage.delete(f"{dirname}/{name}", recursive=True)
         return False
+
+    def sweep_replaced(
+        self, step: int, names: Collection[str] | None = None, refs: frozenset[str] | None = None
+    ) -> None:
+        """Remove the shard files of committed ``step``'s directory its manifest does not
+        name (``names``, read when None) and no committed step reads (``refs``, see
+        :meth:`referenced`): a replaced or failed attempt's. Unreadable, nothing goes."""
+        refs = self.referenced() if refs is None else refs
+        try:
+            names = [s.file for s in self.read_head(step).shards] if names is None else names
+        except CheckpointError:
+            return
+        if refs is None:
+            return
+        dirname = fmt.step_dirname(step)
+        kept = {*names, *(p.split("/", 1)[1] for p in refs if p.startswith(dirname + "/"))}
+        for name in self.storage.list_dir(dirname):
+            if fmt.parse_shard_filename(name) is not None and name not in kept:
+                self.storage.delete(f"{dirname}/{name}")
 
     def collect_partials(
         self, busy: Callable[[], Collection[int]] = frozenset, *, everything: bool = False

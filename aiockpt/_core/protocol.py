@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: Bumped on any change to these messages; checked by both ends in the handshake.
-PROTOCOL = 14
+PROTOCOL = 15
 
 #: How a loaded tensor lies in shared memory: (safetensors dtype, shape, byte offset).
 TensorAt = tuple[str, tuple[int, ...], int]
@@ -131,6 +131,13 @@ class Hello:
     #: the job's c10d store (see _core/storeops.py); None: the ranks signal through storage.
     store_fd: int | None = None
     protocol: int = PROTOCOL
+    #: The retention policy pickled on its own (``retention`` is then None): the daemon
+    #: unpickles it once ``sys_path`` is on its path, so a policy of a module the trainer
+    #: imports from beside its script imports in the daemon too.
+    retention_pickle: bytes | None = None
+    #: The trainer's ``sys.path`` (its working directory for ""), searched by the daemon
+    #: after aiockpt's own folder when it unpickles the retention policy.
+    sys_path: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +186,9 @@ class SaveReq:
     #: their checksums from that save.
     copy_gen: int = 0
     unchanged: tuple[int, ...] = ()
+    #: ``save(..., overwrite=True)``: a committed ``step`` is replaced, its manifest last
+    #: (see docs/format.md#replacing-a-step); otherwise a committed step is refused.
+    overwrite: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +235,16 @@ class PublishFailureReq(ReadReq):
     step: int
     uuid: str
     message: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteReq(ReadReq):
+    """Delete the committed ``step`` as retention would, manifest first, keeping the bytes a
+    kept step reads (value: None). Queued behind the saves sent before it, on the writer's
+    thread; the newest committed step is refused unless ``allow_latest``."""
+
+    step: int
+    allow_latest: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,14 @@ from __future__ import annotations
 import threading
 
 from .._core.catalog import Catalog
-from ..errors import CheckpointError, CorruptCheckpointError, LeaseLostError
+from ..errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    InvalidStepError,
+    LeaseLostError,
+    StepExistsError,
+)
 from ..retention import CheckpointRecord, RetentionPolicy, select_deletions
 from .coord import Fence, no_fence
 from .pipe import Outbox, remote_error
@@ -114,3 +121,27 @@ class Pruner:
             err = CheckpointError(f"step {step} was committed, but retention failed to delete: {e}")
             return deleted, remote_error(err)
         return deleted, None
+
+    def delete(self, step: int, allow_latest: bool) -> None:
+        """``delete(step)`` asked by the trainer: the committed ``step`` deleted as retention
+        deletes (manifest first, the bytes a kept step reads kept), on the writer's thread,
+        so after every save queued before it. Refuses a step that is not committed, one
+        being saved and, unless ``allow_latest``, the newest committed step."""
+        self.fence(f"delete step {step}")
+        committed = self.catalog.committed_steps()
+        where = self.catalog.storage.url
+        if step not in committed:
+            raise CheckpointNotFoundError(f"step {step} is not a committed checkpoint in {where}")
+        if step in self.in_flight.snapshot():
+            raise StepExistsError(f"step {step} is being saved")
+        if step == committed[-1] and not allow_latest:
+            raise InvalidStepError(
+                f"step {step} is the newest committed checkpoint in {where}, which a resume "
+                "loads; pass allow_latest=True to delete it"
+            )
+
+        def uncommitted(old: int) -> None:
+            with self._lock:
+                self.index.pop(old, None)
+
+        self.catalog.delete_step(step, uncommitted=uncommitted)

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import queue
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -27,6 +30,7 @@ from .._core.catalog import Catalog
 from .._core.pipe import PipeEnd
 from .._core.protocol import (
     CollectPartialsReq,
+    DeleteReq,
     Hello,
     LeaseGrant,
     LoadReply,
@@ -48,6 +52,7 @@ from .._core.protocol import (
 )
 from .._core.shm import trainer_segments, unlink
 from .._core.storeops import PipeStoreOps
+from ..errors import DaemonStartError
 from ..storage import CountingStorage, Storage, open_storage
 from .coord import Coordinator, no_fence
 from .lease import LeaseKeeper
@@ -119,7 +124,8 @@ class Daemon:
             fence=fence,
         )
         self.reader = Reader(self.catalog, self.slabs, self.pool)
-        self.save_q: queue.Queue[SaveReq | None] = queue.Queue()
+        #: Saves, and deletions (after the saves sent before them), for the writer thread.
+        self.save_q: queue.Queue[SaveReq | DeleteReq | None] = queue.Queue()
         self.read_q: queue.Queue[ReadReq | None] = queue.Queue()
         self._handlers: dict[type[ReadReq], Callable[[Any], Any]] = {
             LoadReq: self._load,
@@ -128,6 +134,7 @@ class Daemon:
             RecordsReq: self._records,
             CollectPartialsReq: self._collect_partials,
             PublishFailureReq: self._publish_failure,
+            DeleteReq: self._delete,
         }
 
     def start(self) -> LeaseGrant | None:
@@ -183,6 +190,9 @@ class Daemon:
             self.lease.check("remove partial steps")
         return tuple(self.catalog.collect_partials(self.in_flight.snapshot))
 
+    def _delete(self, req: DeleteReq) -> None:
+        self.pruner.delete(req.step, req.allow_latest)
+
     def _publish_failure(self, req: PublishFailureReq) -> None:
         # A respawned daemon tells the other ranks that its predecessor's save failed.
         if self.coord is not None:
@@ -193,23 +203,30 @@ class Daemon:
     def save_loop(self) -> None:
         """The writer thread: each save in order, until the None that ends the queue."""
         while (req := self.save_q.get()) is not None:
+            if isinstance(req, DeleteReq):
+                self.answer(req)
+                continue
             try:
                 self.writer.save(req)
             finally:
                 self.in_flight.discard(req.step)
 
+    def answer(self, req: ReadReq) -> None:
+        """Handle ``req`` and send its :class:`Reply`, whatever happens."""
+        try:
+            reply = Reply(req.id, value=self.handle(req))
+        except BaseException as e:
+            reply = Reply(req.id, error=remote_error(e))
+        try:
+            self.outbox.send(reply)
+        except Exception as e:  # e.g. a reply that cannot be pickled: never hang the caller
+            self.reader.early.drop()  # nor read into a slab it takes back on hearing this
+            self.outbox.send(Reply(req.id, error=remote_error(e)))
+
     def read_loop(self) -> None:
         """The reader thread: each request answered, until the None that ends the queue."""
         while (req := self.read_q.get()) is not None:
-            try:
-                reply = Reply(req.id, value=self.handle(req))
-            except BaseException as e:
-                reply = Reply(req.id, error=remote_error(e))
-            try:
-                self.outbox.send(reply)
-            except Exception as e:  # e.g. a reply that cannot be pickled: never hang the caller
-                self.reader.early.drop()  # nor read into a slab it takes back on hearing this
-                self.outbox.send(Reply(req.id, error=remote_error(e)))
+            self.answer(req)
             self.reader.early.read()  # a load answered early reads its bytes now
 
     def serve(self) -> int:
@@ -228,6 +245,8 @@ class Daemon:
                 break
             if isinstance(msg, SaveReq):
                 self.in_flight.add(msg.step)  # before the writer sees it: see InFlight
+                self.save_q.put(msg)
+            elif isinstance(msg, DeleteReq):
                 self.save_q.put(msg)
             elif isinstance(msg, WindowReady):
                 self.windows.put(msg)
@@ -265,6 +284,26 @@ class Daemon:
             self.store_ops.close()
 
 
+def with_retention(hello: Hello) -> Hello:
+    """``hello`` with its retention policy unpickled (Hello.retention_pickle), its module
+    imported from the trainer's ``sys.path``: after aiockpt's own folder (first on the path,
+    so aiockpt is the trainer's), in the trainer's order, then what the daemon had besides.
+    A policy whose module cannot be imported fails the start, naming it."""
+    if hello.retention_pickle is None:
+        return hello
+    own = sys.path[1:]
+    sys.path[1:] = [*hello.sys_path, *(p for p in own if p not in hello.sys_path)]
+    try:
+        policy = pickle.loads(hello.retention_pickle)
+    except Exception as e:
+        raise DaemonStartError(
+            f"the daemon could not import the retention policy: {type(e).__name__}: {e}; "
+            "its module must be importable from the trainer's sys.path, and import without "
+            "the trainer's __main__"
+        ) from None
+    return replace(hello, retention=policy, retention_pickle=None)
+
+
 def main(argv: list[str]) -> int:
     """Serve the trainer at the other end of the pipe inherited as file descriptor argv[1]."""
     pipe = PipeEnd(Connection(int(argv[1])))
@@ -283,7 +322,7 @@ def main(argv: list[str]) -> int:
         check_protocol(getattr(hello, "protocol", None), "trainer")
         if not isinstance(hello, Hello):
             raise ProtocolMismatch(f"the trainer sent {type(hello).__name__} instead of Hello")
-        daemon = Daemon(pipe, hello)
+        daemon = Daemon(pipe, with_retention(hello))
         grant = daemon.start()
     except BaseException as e:
         with contextlib.suppress(Exception):

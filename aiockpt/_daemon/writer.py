@@ -28,7 +28,7 @@ from .._core.shm import Segment
 from .._crc import FOLD_MIN_AVERAGE, combine, concat, fold
 from ..errors import CheckpointError, DistributedSaveError, LeaseLostError, StepExistsError
 from ..retention import CheckpointRecord
-from ..storage import CountingStorage
+from ..storage import CountingStorage, Storage
 from .coord import Coordinator, Fence, Part, merge, no_fence, publish_manifest
 from .dedup import Base, Plan, shard_fields
 from .memory import SlabMemory
@@ -136,6 +136,32 @@ def shard_checksum(data: memoryview, layout: Layout, tensor_crcs: list[int]) -> 
     return crc
 
 
+def publish(storage: Storage, step: int, manifest: bytes, *, replacing: bool) -> None:
+    """Commit ``step``: create its manifest (conditionally where the storage can), or, when
+    it replaces a committed step (``save(overwrite=True)``), replace the manifest atomically,
+    so the old step loads until this instant (see docs/format.md#replacing-a-step)."""
+    if replacing:
+        storage.put_atomic(manifest_path(step), manifest)
+    else:
+        publish_manifest(storage, manifest_path(step), manifest, step)
+
+
+def read_base(storage: Storage, step: int, shard: fmt.ShardRecord) -> Base:
+    """The base of a committed shard; nothing when a file it refers to cannot be sized."""
+    try:
+        return Base.of_shard(step, shard, storage.size)
+    except CheckpointError:
+        return Base.empty()
+
+
+def swept(catalog: Catalog, step: int, name: str) -> None:
+    """After ``step`` was replaced by a manifest naming the shard ``name``: remove the
+    replaced attempt's files, but for those a kept step reads (see Catalog.sweep_replaced).
+    A failure leaves them, unreferenced, for the step's next deletion."""
+    with contextlib.suppress(Exception):
+        catalog.sweep_replaced(step, [name])
+
+
 class Writer:
     """Writes and commits this rank's shard of each save, in the order they come."""
 
@@ -195,7 +221,8 @@ class Writer:
             tree, layout = self._take(req)
             if req.windows:
                 check_storage(self.storage, self.storage.url)
-            if self.catalog.is_committed(req.step):
+            replacing = self.catalog.is_committed(req.step)
+            if replacing and not req.overwrite:
                 raise StepExistsError(f"step {req.step} is already committed in {self.storage.url}")
             self._fence(req, f"write step {req.step}")
             self.storage.makedirs(step_dir)
@@ -217,8 +244,11 @@ class Writer:
             self._event("save.written", req, written - t0, nbytes, written_nbytes=stored)
             shard = {"file": name, "rank": self.rank, "nbytes": nbytes, "crc32c": shard_crc}
             shard.update(table)
-            created_at = self._commit(req, Part(self.rank, shard, tensors, tree, dtensors))
+            part = Part(self.rank, shard, tensors, tree, dtensors)
+            created_at = self._commit(req, part, replacing=replacing)
             made_dir, written_path = False, None  # committed: the manifest refers to it now
+            if replacing:
+                swept(self.catalog, req.step, name)
             if base is not None:
                 self.base = base  # the next save refers to what this one committed
             self.pruner.committed(CheckpointRecord(req.step, created_at, dict(req.metrics)))
@@ -360,20 +390,13 @@ class Writer:
                 except (CheckpointError, KeyError):
                     pass  # an unreadable newest step: this save writes everything
                 else:
-                    self.base = self._read_base(steps[-1], shard)
+                    self.base = read_base(self.storage, steps[-1], shard)
         gone = self.base.step is not None and (
             self.base.step == step or not self.catalog.is_committed(self.base.step)
         )
         if gone:
             self.base = Base.empty()
         return self.base
-
-    def _read_base(self, step: int, shard: fmt.ShardRecord) -> Base:
-        """The base of a committed shard; nothing when a file it refers to cannot be sized."""
-        try:
-            return Base.of_shard(step, shard, self.storage.size)
-        except CheckpointError:
-            return Base.empty()
 
     def _fence(self, req: SaveReq, what: str) -> None:
         """Refuse ``what`` once the lease is lost: rank 0 checks the lease it holds, another
@@ -382,8 +405,9 @@ class Writer:
         if req.lease_generation is not None:
             check_generation(self.storage, req.lease_generation, what)
 
-    def _commit(self, req: SaveReq, part: Part) -> float:
-        """Publish the manifest (with the other ranks' parts, on several); its commit time."""
+    def _commit(self, req: SaveReq, part: Part, *, replacing: bool = False) -> float:
+        """Publish the manifest (with the other ranks' parts, on several); its commit time.
+        ``replacing``: replace a committed step's (one rank only: the trainer refuses more)."""
         if self.coord is not None:
             if self.rank != 0:
                 self._fence(req, f"publish rank {self.rank}'s part of step {req.step}")
@@ -394,8 +418,8 @@ class Writer:
         manifest = merge(
             [part], step=req.step, created_at=created_at, metrics=req.metrics, metadata=req.metadata
         )  # one rank cannot disagree with itself: no dtable.Disagreement here
-        self.fence(f"commit step {req.step}")
-        publish_manifest(self.storage, manifest_path(req.step), manifest, req.step)
+        self.fence(f"{'replace' if replacing else 'commit'} step {req.step}")
+        publish(self.storage, req.step, manifest, replacing=replacing)
         self.catalog.note_refs(req.step, {b[2] for b in part.shard.get("blocks", ()) if b[2]})
         return created_at
 

@@ -80,6 +80,16 @@ def check_loop(token: Any, what: str) -> None:
         )
 
 
+def check_step_number(step: Any) -> None:
+    """Refuse what is not a step number: a non-negative int of at most 12 digits."""
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise InvalidStepError(f"step must be an int, not {type(step).__name__}")
+    if step < 0:
+        raise InvalidStepError(f"step must be >= 0, not {step}")
+    if step >= 10**12:
+        raise InvalidStepError(f"step {step} does not fit the 12-digit step directory names")
+
+
 #: ``emit(name, **fields)``: how the ledger reports a save's end (the manager's dispatcher).
 Emit = Callable[..., object]
 
@@ -106,16 +116,14 @@ class Ledger:
         """Whether any save is still staging or pending."""
         return bool(self.pending or self.in_flight)
 
-    def check_step(self, step: Any) -> None:
-        """Refuse a step that is not a valid step number, or is taken."""
-        if isinstance(step, bool) or not isinstance(step, int):
-            raise InvalidStepError(f"step must be an int, not {type(step).__name__}")
-        if step < 0:
-            raise InvalidStepError(f"step must be >= 0, not {step}")
-        if step >= 10**12:
-            raise InvalidStepError(f"step {step} does not fit the 12-digit step directory names")
-        if step in self.committed:
-            raise StepExistsError(f"step {step} is already committed in {self._url}")
+    def check_step(self, step: Any, *, overwrite: bool = False) -> None:
+        """Refuse a step that is not a valid step number, or is taken (being saved; or
+        committed, unless ``overwrite``)."""
+        check_step_number(step)
+        if step in self.committed and not overwrite:
+            raise StepExistsError(
+                f"step {step} is already committed in {self._url} (overwrite=True replaces it)"
+            )
         if step in self.in_flight:
             raise StepExistsError(f"step {step} is already being saved")
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import pickle
+import sys
 import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -176,7 +178,7 @@ class AsyncCheckpointManager:
             hello = Hello(
                 url=self.url,
                 storage_options=self.storage_options,
-                retention=self.retention,
+                **retention_fields(self.retention),
                 rank=self.rank,
                 world_size=self.world_size,
                 trainer_pid=os.getpid(),
@@ -239,6 +241,11 @@ class AsyncCheckpointManager:
         await self._daemons.stop()
         self._pool.close()
 
+    def _check_writable(self, what: str) -> None:
+        self._check_open()
+        if self.read_only:
+            raise ReadOnlyError(f"this manager of {self.url} was opened read_only=True: no {what}")
+
     def _check_open(self) -> None:
         check_loop(self._loop, "the manager")
         if self._state != "open":
@@ -292,14 +299,18 @@ class AsyncCheckpointManager:
         *,
         metrics: Mapping[str, Any] | None = None,
         metadata: Mapping[str, Any] | None = None,
+        overwrite: bool = False,
     ) -> SaveHandle:
-        """Snapshot ``state`` and start writing it; returns once the state may be mutated."""
-        self._check_open()
-        if self.read_only:
-            raise ReadOnlyError(
-                f"this manager of {self.url} was opened read_only=True: it cannot save"
-            )
-        return await self._saver.save(self._group, step, state, metrics, metadata)
+        """Snapshot ``state`` and start writing it; returns once the state may be mutated.
+        ``overwrite``: replace a committed ``step`` (it loads until the new one commits)."""
+        self._check_writable("save")
+        return await self._saver.save(self._group, step, state, metrics, metadata, overwrite)
+
+    async def delete(self, step: int, *, allow_latest: bool = False) -> None:
+        """Delete the committed ``step`` once the saves before it are done, keeping bytes a
+        kept step reads; the newest only with ``allow_latest``."""
+        self._check_writable("delete")
+        await self._saver.delete(self._group, step, allow_latest)
 
     async def wait(self) -> None:
         """Wait until every pending save has committed; raises the first failure."""
@@ -320,16 +331,7 @@ class AsyncCheckpointManager:
         """The committed step with the best ``metric`` (None when no checkpoint has it);
         ties go to the newer step, and non-finite values never count as best."""
         self._check_open()
-        if not isinstance(metric, str) or not metric:
-            raise ValueError(f"metric must be a non-empty str, not {metric!r}")
-        if mode not in ("min", "max"):
-            raise ValueError(f"mode must be 'min' or 'max', not {mode!r}")
-        records = [
-            CheckpointRecord(r.step, r.created_at, r.metrics)
-            for r in await (await self._daemons.live()).request(RecordsReq)
-        ]
-        order = best_order(records, metric, mode)
-        return records[order[0]].step if order else None
+        return await _best_step(self._daemons, metric, mode)
 
     async def load(
         self,
@@ -357,6 +359,16 @@ class AsyncCheckpointManager:
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, not {type(flag).__name__}")
         return await self._loader.load(step, into, strict, check_keys(keys), atomic)
+
+
+def retention_fields(policy: Any) -> dict[str, Any]:
+    """The Hello fields of a retention policy: pickled apart from the Hello, with this
+    process's ``sys.path``, so the daemon imports the policy's module where this process
+    found it (a module beside the script, say) before it unpickles it."""
+    if policy is None:
+        return {"retention": None}
+    path = tuple(os.path.abspath(p or os.curdir) for p in sys.path if isinstance(p, str))
+    return {"retention": None, "retention_pickle": pickle.dumps(policy), "sys_path": path}
 
 
 def checks_job_id(job_id: str | None) -> str | None:
@@ -391,6 +403,20 @@ def lease_events(events: EventDispatcher, grant: LeaseGrant | None, url: str) ->
             detail=f"{url} cannot create files conditionally: two writers opening it at the "
             "same moment could both take its lease (see docs/reliability.md)",
         )
+
+
+async def _best_step(daemons: Supervisor, metric: str, mode: str) -> int | None:
+    """See AsyncCheckpointManager.best_step."""
+    if not isinstance(metric, str) or not metric:
+        raise ValueError(f"metric must be a non-empty str, not {metric!r}")
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode must be 'min' or 'max', not {mode!r}")
+    records = [
+        CheckpointRecord(r.step, r.created_at, r.metrics)
+        for r in await (await daemons.live()).request(RecordsReq)
+    ]
+    order = best_order(records, metric, mode)
+    return records[order[0]].step if order else None
 
 
 async def _warming(

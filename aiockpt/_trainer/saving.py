@@ -11,13 +11,19 @@ from typing import Any
 import anyio
 
 from .._core import format as fmt
-from .._core.protocol import SaveReq, WindowReady
+from .._core.protocol import DeleteReq, SaveReq, WindowReady
 from .._core.windows import cut_windows, least_capacity
-from ..errors import CheckpointError, DaemonDiedError, StagingMemoryError, StateChangedError
+from ..errors import (
+    CheckpointError,
+    DaemonDiedError,
+    InvalidStepError,
+    StagingMemoryError,
+    StateChangedError,
+)
 from . import dist as _dist
 from .checks import clean_metadata, clean_metrics
 from .client import DaemonClient
-from .ledger import Emit, Ledger, SaveHandle
+from .ledger import Emit, Ledger, SaveHandle, check_step_number
 from .mirror import DaemonMirror
 from .staging import Layout, LayoutCache, Slab, SlabPool, copy_window, sources_match, window_copies
 from .state import Flat, Flattener, StaleFlat
@@ -55,6 +61,7 @@ class Saver:
         state: Any,
         metrics: Mapping[str, Any] | None,
         metadata: Mapping[str, Any] | None,
+        overwrite: bool = False,
     ) -> SaveHandle:
         """Snapshot ``state`` and send it to the daemon; see AsyncCheckpointManager.save."""
         handle = SaveHandle(step if isinstance(step, int) else -1, uuid_mod.uuid4().hex)
@@ -62,7 +69,13 @@ class Saver:
         refused: BaseException | None = None
         dtensors: list[Any] = []
         try:  # all input is checked before anything is staged
-            self._ledger.check_step(step)
+            if not isinstance(overwrite, bool):
+                raise TypeError(f"overwrite must be a bool, not {type(overwrite).__name__}")
+            if overwrite and group is not None and group.world_size > 1:
+                raise InvalidStepError(
+                    "overwrite=True replaces a step of a one-rank manager only, for now"
+                )
+            self._ledger.check_step(step, overwrite=overwrite)
             clean = clean_metrics(metrics), clean_metadata(metadata)
             flat = self._flattener.flatten(state)
             dtensors = flat.dtensors
@@ -85,7 +98,7 @@ class Saver:
         try:
             if refused is not None:
                 raise refused
-            nbytes, copied = await self._submit(group, handle, state, flat, *clean)
+            nbytes, copied = await self._submit(group, handle, state, flat, *clean, overwrite)
         except BaseException as e:
             if isinstance(e, (OSError, EOFError)) and not isinstance(e, CheckpointError):
                 d = self._daemons.current
@@ -102,6 +115,18 @@ class Saver:
             copied_nbytes=copied,
         )
         return handle
+
+    async def delete(self, group: _dist.Group | None, step: int, allow_latest: bool) -> None:
+        """Delete the committed ``step`` through the daemon; see AsyncCheckpointManager.delete."""
+        check_step_number(step)
+        if not isinstance(allow_latest, bool):
+            raise TypeError(f"allow_latest must be a bool, not {type(allow_latest).__name__}")
+        if group is not None and group.world_size > 1:
+            raise InvalidStepError("delete() deletes steps of a one-rank manager only, for now")
+        d = await self._daemons.live()
+        request: Any = d.request  # (DeleteReq is answered by the writer, after the saves)
+        await request(DeleteReq, step=step, allow_latest=allow_latest)
+        self._ledger.committed.discard(step)
 
     async def _submit(
         self, group: _dist.Group | None, handle: SaveHandle, state: Any, *args: Any
@@ -125,6 +150,7 @@ class Saver:
         flat: Flat,
         metrics: dict[str, Any],
         metadata: dict[str, Any],
+        overwrite: bool = False,
     ) -> tuple[int, int]:
         """Stage ``state`` (flattened as ``flat``) and send it; returns the shard's size and
         the bytes copied.
@@ -159,6 +185,7 @@ class Saver:
                 # (0: the daemon keeps nothing for a next copy that will not skip)
                 copy_gen=slab.gen if slab is not None and self._skip_unchanged else 0,
                 unchanged=unchanged,
+                overwrite=overwrite,
             )
             if not client.alive:
                 raise DaemonDiedError(

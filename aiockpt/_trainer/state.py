@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from .._core import values
 from .._core.format import fragment_ref
@@ -644,27 +645,29 @@ def local_part(held: Any, src: torch.Tensor, path: str) -> torch.Tensor | None:
     )
 
 
-def _dry_run(obj: Any, value: Any, path: str) -> None:
+def _dry_run(obj: Any, value: Any, path: str, own: Any = None, strict: bool = True) -> None:
     """Raise LoadMismatchError for what ``obj.load_state_dict(value)`` would refuse, where that
-    can be told without calling it: a module's missing or unexpected keys and tensor shapes,
-    an optimizer's parameter groups and their sizes."""
+    can be told without calling it: a module's missing or unexpected keys (``strict``) and
+    tensor shapes (but where the module resizes as it loads, see _resizes), an optimizer's
+    parameter groups and their sizes. ``own``: the module's state dict, when known."""
     where = path or "<root>"
     if isinstance(obj, torch.nn.Module) and isinstance(value, Mapping):
-        own = _state_dict(obj, path)
+        own = _state_dict(obj, path) if own is None else own
         missing = [k for k in own if k not in value]
         unexpected = [k for k in value if k not in own]
-        if missing or unexpected:
+        if strict and (missing or unexpected):
             raise LoadMismatchError(
                 f"{where}: the module's load_state_dict would refuse the saved state dict "
                 f"(missing: {_listed(missing) or 'none'}; unexpected: "
                 f"{_listed(unexpected) or 'none'})"
             )
         for k, mine in own.items():
-            saved = value[k]
+            saved = value.get(k)
             if (
                 isinstance(mine, torch.Tensor)
                 and isinstance(saved, torch.Tensor)
-                and mine.shape != saved.shape
+                and (is_lazy(mine) or mine.shape != saved.shape)
+                and not _resizes(obj, k)
             ):
                 raise LoadMismatchError(
                     f"{_path(path, k)}: saved {saved.dtype}{list(saved.shape)} does not "
@@ -685,6 +688,45 @@ def _dry_run(obj: Any, value: Any, path: str) -> None:
                     f"{len(params) if isinstance(params, list) else 'no'} parameters, the "
                     f"optimizer's has {len(mine['params'])}"
                 )
+
+
+_MODULE_LOAD = torch.nn.Module.load_state_dict
+_MODULE_LOAD_FROM = torch.nn.Module._load_from_state_dict
+
+
+def _resizes(module: torch.nn.Module, key: str) -> bool:
+    """Whether ``module``'s load_state_dict decides for itself what its state dict's ``key``
+    may hold: it is not torch's own, or the submodule owning the key loads its state its own
+    way (``_load_from_state_dict`` overridden, as a module resizing a buffer does), or a load
+    pre-hook on the way to it may change what it gets (lazy modules materialize so). A shape
+    the module would refuse is then refused by the module, when it loads."""
+    if type(module).load_state_dict is not _MODULE_LOAD:
+        return True
+    owner: torch.nn.Module | None = module
+    for name in key.split(".")[:-1]:
+        assert owner is not None
+        if owner._load_state_dict_pre_hooks:
+            return True
+        owner = owner._modules.get(name)
+        if owner is None:
+            return False
+    assert owner is not None
+    return bool(owner._load_state_dict_pre_hooks) or (
+        type(owner)._load_from_state_dict is not _MODULE_LOAD_FROM
+    )
+
+
+class _Lenient:
+    """A module to load with ``strict=False``: what the checkpoint lacks keeps its value,
+    what the module lacks is left out (load(strict=False) all the way down)."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def load_state_dict(self, value: Mapping[str, Any]) -> None:
+        self.module.load_state_dict(value, strict=False)
 
 
 def _as_dtensor(held: Any, src: torch.Tensor, path: str) -> Any:
@@ -756,6 +798,7 @@ def plan_restore(
     tensor with no tensor to copy into); ``finish`` then makes the changes. ``make``: the
     restorer's class (a subclass that carries the plan out in another order, say)."""
     restorer = (make or _Restorer)(tensors, fresh, held or {})
+    restorer.strict = strict
     restorer.result = restorer.restore(target, tree, "")
     if scope is not None:  # target keys outside the selection read were not asked for
         asked = KeyPaths(scope)
@@ -811,6 +854,18 @@ class _Restorer:
         self.calls: list[Callable[[], object]] = []
         self.only_saved: list[str] = []
         self.only_target: list[str] = []
+        #: Whether keys must match; without, a module loads with strict=False too.
+        self.strict = True
+
+    def lenient(self, module: torch.nn.Module, value: Any, path: str) -> _Lenient:
+        """Plan a ``strict=False`` load of ``module``: the keys it and the checkpoint do not
+        share noted, and checked as its load_state_dict(strict=False) would check them."""
+        own = _state_dict(module, path)
+        if isinstance(value, Mapping):
+            self.only_saved.extend(_path(path, k) for k in value if k not in own)
+            self.only_target.extend(_path(path, k) for k in own if k not in value)
+        _dry_run(module, value, path, own, strict=False)
+        return _Lenient(module)
 
     def finish(self, copy: Callable[[list[torch.Tensor], list[torch.Tensor]], None]) -> Restored:
         """Make the planned changes: ``copy(dsts, srcs)``, then the items set, the in-place
@@ -852,8 +907,11 @@ class _Restorer:
         if is_stateful(target):
             inner = body if tag == STATEFUL else tree
             value = unflatten(inner, self.fresh, self.held, self.calls)
-            _dry_run(target, value, path)
-            self.loads.append((target, value))
+            if self.strict or not isinstance(target, torch.nn.Module):
+                _dry_run(target, value, path)
+                self.loads.append((target, value))
+            else:
+                self.loads.append((self.lenient(target, value, path), value))
             return target
         if tag == STATEFUL:
             tag, body = next(iter(body.items()))

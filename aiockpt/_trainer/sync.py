@@ -283,11 +283,19 @@ class CheckpointManager:
         *,
         metrics: Mapping[str, Any] | None = None,
         metadata: Mapping[str, Any] | None = None,
+        overwrite: bool = False,
     ) -> SyncSaveHandle:
-        """Snapshot ``state`` and start writing it; returns once the state may be mutated."""
-        handle = self._call(self._async.save, step, state, metrics=metrics, metadata=metadata)
+        """Snapshot ``state`` and start writing it; returns once the state may be mutated.
+        A committed ``step`` is refused unless ``overwrite``, which replaces it atomically."""
+        handle = self._call(
+            self._async.save, step, state, metrics=metrics, metadata=metadata, overwrite=overwrite
+        )
         assert self._portal is not None
         return SyncSaveHandle(handle, self._portal)
+
+    def delete(self, step: int, *, allow_latest: bool = False) -> None:
+        """Delete the committed ``step`` (see AsyncCheckpointManager.delete)."""
+        self._call(self._async.delete, step, allow_latest=allow_latest)
 
     def wait(self) -> None:
         """Wait until every pending save has committed; raises the first failure."""

@@ -69,6 +69,9 @@ class AiockptCallback(TrainerCallback):
         self._due: str | None = None  # a save point passed; the event to save at
         self._saved_step: int | None = None
         self._resume: _Resume | None = None
+        #: The step this training resumed from: the save points after it belong to a new
+        #: branch, and replace those an earlier run left at the same steps.
+        self._resumed_from: int | None = None
 
     # ------------------------------------------------------------------ the manager
 
@@ -190,7 +193,13 @@ class AiockptCallback(TrainerCallback):
             "rng": capture_rng(),
             "trainer_state": trainer_state_values(state, control, callbacks),
         }
-        handle = self.open().save(state.global_step, values, metrics=step_metrics(state))
+        # As the Trainer overwrites its checkpoint-N folder: a run resumed from an earlier
+        # step replaces the abandoned run's later steps as it reaches them, each atomically
+        # (the old checkpoint loads until the new one commits). A fresh run never does.
+        rewound = self._resumed_from is not None and state.global_step > self._resumed_from
+        handle = self.open().save(
+            state.global_step, values, metrics=step_metrics(state), overwrite=rewound
+        )
         self._saved_step = state.global_step
         for done in [h for h in self._handles if h.done()]:
             self._handles.remove(done)
@@ -227,6 +236,7 @@ class AiockptCallback(TrainerCallback):
             )
         self._saved_step = None
         resume = self._resume
+        self._resumed_from = None if resume is None else resume.step
         if resume is None:
             return
         if state.global_step != resume.step:
