@@ -252,11 +252,7 @@ def _fill(
                 storage.readinto(run.file, a, out)
         nread += run.hi - run.lo
 
-    def read_into(file: str, offset: int, out: memoryview) -> None:
-        with out as view:
-            storage.readinto(file, offset, view)
-
-    assembler = Assembler(read_into, pool, 1, source.where, checked=False)
+    assembler = Assembler(storage.readinto, pool, 1, source.where, checked=False)
     for (name, file, dtype, shape, start, _), (_, _, box) in zip(parts, boxes, strict=True):
         if not box.numel:
             continue
