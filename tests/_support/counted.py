@@ -1,4 +1,5 @@
-"""A local storage that counts the bytes read through it, for tests of what a load reads.
+"""Test storages: one that counts the bytes read through it, for tests of what a load reads;
+one that fails (an outage), and one whose opening finds no credentials.
 
 Served under ``counted://`` (register it with ``register_storage("counted", open_counted)``);
 every read appends one line, ``kind path offset nbytes`` (kind ``data`` for ``readinto``,
@@ -7,10 +8,12 @@ process (a rank, and the daemon it starts) inherits."""
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 from typing import Any
 
+from aiockpt.errors import StorageError
 from aiockpt.storage import LocalStorage
 
 ENV = "AIOCKPT_TEST_READ_LOG"
@@ -51,3 +54,31 @@ def read_totals(log: Path) -> dict[str, int]:
             kind, _, _, n = line.split()
             totals[kind] += int(n)
     return totals
+
+
+class BrokenStorage(LocalStorage):
+    """A root whose storage fails every listing and read, as an outage does."""
+
+    def _fail(self, path: str) -> StorageError:
+        return StorageError(f"{path}: connection reset by peer", path=path, errno=errno.ECONNRESET)
+
+    def list_dir(self, path: str) -> list[str]:
+        raise self._fail(path)
+
+    def exists(self, path: str) -> bool:
+        raise self._fail(path)
+
+    def readinto(self, path: str, offset: int, out: memoryview) -> None:
+        raise self._fail(path)
+
+
+def open_broken(url: str, storage_options: dict[str, Any]) -> BrokenStorage:
+    return BrokenStorage(url.partition("://")[2])
+
+
+def open_without_credentials(url: str, storage_options: dict[str, Any]) -> LocalStorage:
+    """A storage plugin that finds no credentials when it opens, as a cloud plugin does."""
+    raise StorageError(
+        f"{url}: no credentials found (set them in the environment or pass them as options)",
+        errno=errno.EACCES,
+    )
