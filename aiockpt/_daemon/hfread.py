@@ -15,19 +15,19 @@ Safetensors files carry no checksums: sizes and offsets are what is verified.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 from .._core import hfformat as hf
-from .._core.chunks import Chunk
+from .._core.chunks import Chunk, read_plan
 from .._core.dtable import ChunkRecord
 from .._core.dtypes import DTYPE_SIZES
 from .._core.protocol import LoadReply, SafetensorsInfo, TensorAt
 from .._core.shm import Segment
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..storage import Storage, open_storage
-from .reshard import OUT_ALIGN, Assembler, out_offsets
+from .reshard import OUT_ALIGN, Assembler
 
 __all__ = ["Source", "describe", "read"]
 
@@ -177,6 +177,39 @@ def place(runs: list[_Run]) -> tuple[list[_Run], int]:
     return placed, pos
 
 
+def place_boxes(
+    pos: int, parts: list[ReadItem], boxes: list[tuple[str, str, Chunk]]
+) -> tuple[dict[str, int], int]:
+    """Where each box goes in the segment after ``pos`` bytes, and where they end: as
+    reshard.out_offsets places them, and a large box that is one run of its tensor (a dim-0
+    piece) at its file offset modulo the page size, as place() does a run."""
+    out_at: dict[str, int] = {}
+    for (_, _, _, shape, start, _), (name, dtype, box) in zip(parts, boxes, strict=True):
+        pos = (pos + OUT_ALIGN - 1) // OUT_ALIGN * OUT_ALIGN
+        itemsize = DTYPE_SIZES[dtype]
+        nbytes = box.numel * itemsize
+        if nbytes >= DIRECT_MIN:
+            runs = read_plan(Chunk((0,) * len(shape), tuple(shape)), box, itemsize)
+            first = start + runs[0].src_start
+            if len(runs) == 1 and first % 8 == 0:
+                pos += (first - pos) % PAGE
+        out_at[name] = pos
+        pos += nbytes
+    return out_at, pos
+
+
+def read_pieces(storage: Storage) -> Callable[[str, int, memoryview], None]:
+    """``storage.readinto`` cut as :func:`pieces` cuts a run, so that what lies on pages in
+    both the file and the segment is read past the page cache."""
+
+    def read(file: str, offset: int, out: memoryview) -> None:
+        for a, b in pieces(offset, offset + len(out)):
+            with out[a - offset : b - offset] as view:
+                storage.readinto(file, a, view)
+
+    return read
+
+
 def pieces(lo: int, hi: int) -> Iterator[tuple[int, int]]:
     """[lo, hi) cut at the first page boundary of the file, then every READ_PIECE bytes."""
     first = min(hi, (lo + PAGE - 1) // PAGE * PAGE)
@@ -200,7 +233,7 @@ def read(
             parts.append(item)
     runs, pos = place(runs_of(whole))
     boxes = [(i[0], i[2], Chunk(tuple(i[5][0]), tuple(i[5][1]))) for i in parts]
-    out_at, size = out_offsets(pos, boxes)
+    out_at, size = place_boxes(pos, parts, boxes)
     tensors: dict[str, TensorAt] = {}
     for run in runs:
         for name, dtype, shape, start in run.items:
@@ -252,7 +285,7 @@ def _fill(
                 storage.readinto(run.file, a, out)
         nread += run.hi - run.lo
 
-    assembler = Assembler(storage.readinto, pool, 1, source.where, checked=False)
+    assembler = Assembler(read_pieces(storage), pool, 1, source.where, checked=False)
     for (name, file, dtype, shape, start, _), (_, _, box) in zip(parts, boxes, strict=True):
         if not box.numel:
             continue
