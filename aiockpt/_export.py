@@ -18,6 +18,7 @@ the shard, the checksums a resharding load relies on.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -33,6 +34,7 @@ import crc32c
 
 from ._core import format as fmt
 from ._core.blocks import ShardMap
+from ._core.casts import FLOATING, cast_bytes
 from ._core.catalog import Catalog
 from ._core.chunks import Chunk
 from ._core.dtable import ChunkRecord, DTensorRecord
@@ -121,11 +123,34 @@ class Item:
     shape: tuple[int, ...]
     record: fmt.TensorRecord | None = None
     dtensor: DTensorRecord | None = None
+    #: The dtype written, when it is cast (``--dtype``); None: as saved.
+    to: str | None = None
 
     @property
     def nbytes(self) -> int:
-        """The tensor's size in bytes."""
+        """The tensor's size in bytes, as saved."""
         return math.prod(self.shape) * fmt.DTYPE_SIZES[self.dtype]
+
+    @property
+    def out_dtype(self) -> str:
+        """The dtype written."""
+        return self.to or self.dtype
+
+    @property
+    def out_nbytes(self) -> int:
+        """The tensor's size in bytes, as written."""
+        return math.prod(self.shape) * fmt.DTYPE_SIZES[self.out_dtype]
+
+
+def cast_to(items: list[Item], dtype: str | None) -> list[Item]:
+    """``items`` with their floating tensors written as ``dtype`` (``BF16`` or ``F16``; None:
+    every tensor as saved); integers, booleans and fp8 are written as they are."""
+    if dtype is None:
+        return items
+    return [
+        dataclasses.replace(i, to=dtype) if i.dtype in FLOATING and i.dtype != dtype else i
+        for i in items
+    ]
 
 
 def select(m: fmt.Manifest, prefix: str | None, *, where: str) -> list[Item]:
@@ -205,11 +230,11 @@ def plan_files(items: Sequence[Item], max_size: int | None) -> list[list[Item]]:
     files: list[list[Item]] = [[]]
     size = 0
     for item in items:
-        if max_size is not None and files[-1] and size + item.nbytes > max_size:
+        if max_size is not None and files[-1] and size + item.out_nbytes > max_size:
             files.append([])
             size = 0
         files[-1].append(item)
-        size += item.nbytes
+        size += item.out_nbytes
     return files
 
 
@@ -287,6 +312,7 @@ def export(
     prefix: str | None = None,
     max_shard_size: int | None = None,
     progress: Progress = lambda n, total: None,
+    dtype: str | None = None,
 ) -> Exported:
     """Export step ``m`` of ``catalog``'s root to the local path ``out``.
 
@@ -294,9 +320,10 @@ def export(
     replaced). With it, ``out`` is a directory, which must not exist or be empty: it gets
     ``model.safetensors`` when every tensor fits in one file of that size, else
     ``model-00001-of-0000K.safetensors`` … and ``model.safetensors.index.json``. ``progress``
-    is told the bytes of each tensor written, and of all."""
+    is told the bytes of each tensor written, and of all. ``dtype`` (``BF16``, ``F16``)
+    writes the floating tensors in it (see cast_to)."""
     where = catalog.where(f"{fmt.step_dirname(m.step)}/{fmt.MANIFEST}")
-    items = select(m, prefix, where=where)
+    items = cast_to(select(m, prefix, where=where), dtype)
     files = plan_files(items, max_shard_size)
     target = os.path.abspath(out)
     _check_target(target, directory=max_shard_size is not None)
@@ -304,7 +331,7 @@ def export(
     parent, base = os.path.split(target)
     tmp = os.path.join(parent, f".{base}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     largest = max(item.nbytes for item in items)
-    total = sum(item.nbytes for item in items)
+    total = sum(item.out_nbytes for item in items)
 
     def written(n: int) -> None:
         progress(n, total)
@@ -405,7 +432,7 @@ def _write_dir(
     for name, part in zip(names, files, strict=True):
         _write_file(os.path.join(tmp, name), part, source, buf, progress)
         weight_map.update(dict.fromkeys((i.name for i in part), name))
-    total = sum(i.nbytes for part in files for i in part)
+    total = sum(i.out_nbytes for part in files for i in part)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     with open(os.path.join(tmp, INDEX), "w", encoding="utf-8") as f:
         json.dump(index, f, indent=2, ensure_ascii=False)
@@ -420,18 +447,19 @@ def _write_file(
 ) -> None:
     """One safetensors file of ``items``: the header, then each tensor as it is read."""
     # Largest item size first, as the shards are: every tensor naturally aligned, no padding.
-    order = sorted(items, key=lambda i: -fmt.DTYPE_SIZES[i.dtype])
+    order = sorted(items, key=lambda i: -fmt.DTYPE_SIZES[i.out_dtype])
     specs, pos = [], 0
     for item in order:
-        specs.append(fmt.TensorSpec(item.name, item.dtype, item.shape, pos, pos + item.nbytes))
-        pos += item.nbytes
+        n = item.out_nbytes
+        specs.append(fmt.TensorSpec(item.name, item.out_dtype, item.shape, pos, pos + n))
+        pos += n
     with open(path, "wb") as f:
         f.write(fmt.build_header(specs, HEADER_METADATA))
         for item in order:
             with memoryview(buf)[: item.nbytes] as view:
                 source.fill(item, view)
-                f.write(view)
-            progress(item.nbytes)
+                f.write(view if item.to is None else cast_bytes(view, item.dtype, item.to))
+            progress(item.out_nbytes)
         f.flush()
         os.fsync(f.fileno())
 

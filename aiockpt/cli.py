@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import functools
 import json
 import math
@@ -29,7 +30,7 @@ from ._core import format as fmt
 from ._core.catalog import Catalog
 from ._core.lease import GONE, Claimant, read_current, supersedes
 from ._core.tree import plain_values
-from .errors import CheckpointError
+from .errors import CheckpointError, StorageError
 from .retention import (
     AnyOf,
     BestN,
@@ -42,15 +43,23 @@ from .retention import (
     select_deletions,
 )
 from .storage import open_storage
+from .storage._registry import PLUGIN_HINTS, registered_protocols, split_protocol
 
 __all__ = ["main"]
 
-#: The step argument of ``show`` that names the newest committed step.
+#: The step argument that names the newest committed step.
 LATEST = "latest"
+#: ``export --dtype``: the dtypes floating tensors may be written in.
+EXPORT_DTYPES = {"bf16": "BF16", "fp16": "F16"}
 
 
 class UsageError(Exception):
     """A mistake of the user's: reported in one line on stderr, exit code 2."""
+
+
+class Failure(Exception):
+    """The storage failed (an outage, missing credentials) or a checkpoint is unreadable:
+    reported in one line on stderr, exit code 1."""
 
 
 # --------------------------------------------------------------------------- reading a root
@@ -89,8 +98,23 @@ def open_root(url: str, options: dict[str, Any]) -> Catalog:
     """The catalog of the root at ``url``; a root that cannot be opened is a usage error."""
     try:
         return Catalog(open_storage(url, options))
-    except (CheckpointError, ValueError, TypeError, ImportError) as e:
+    except CheckpointError as e:
+        if served(url):  # the storage failed, or found no credentials
+            raise Failure(f"cannot open {url}: {e}") from None
+        raise UsageError(f"cannot open {url}: {e}") from None  # no storage for the URL
+    except (ValueError, TypeError, ImportError) as e:
         raise UsageError(f"cannot open {url}: {e}") from None
+
+
+def served(url: str) -> bool:
+    """Whether a storage serves ``url``'s protocol: local paths, a registered storage or an
+    installed plugin, and fsspec's protocols but those that need an aiockpt plugin."""
+    protocol = split_protocol(url)[0]
+    if protocol == "file" or protocol in registered_protocols():
+        return True
+    import fsspec
+
+    return protocol not in PLUGIN_HINTS and protocol in fsspec.available_protocols()
 
 
 def scan(
@@ -101,7 +125,9 @@ def scan(
     try:
         listed = catalog.listed_steps()
     except CheckpointError as e:
-        raise UsageError(f"cannot list {url}: {e}") from None
+        if isinstance(e, StorageError) and e.errno == errno.ENOTDIR:  # a file, not a root
+            raise UsageError(f"cannot list {url}: {e}") from None
+        raise Failure(f"cannot list {url}: {e}") from None
     committed: list[Entry] = []
     partials: list[int] = []
     for step in listed:
@@ -328,8 +354,8 @@ class RankView:
 
 
 def show_entry(args: argparse.Namespace) -> tuple[Root, Entry]:
-    """The root and the entry ``show`` asks for, its manifest read (``latest``: the newest
-    committed step)."""
+    """The root and the entry a command of one step (``show``, ``export``, ``copy``, and
+    ``verify`` of one) asks for, its manifest read (``latest``: the newest committed step)."""
     catalog = open_root(args.root, args.storage_options)
     if args.step != LATEST:
         root = scan(catalog, args.root, steps=[args.step])
@@ -533,10 +559,13 @@ def entry_problems(root: Root, e: Entry, progress: Progress) -> list[str]:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """``aiockpt verify``: re-read every shard and check every checksum; 1 when any fails."""
-    steps = None if args.step is None else [args.step]
-    root = scan(open_root(args.root, args.storage_options), args.root, steps=steps)
-    require_checkpoints(root)
-    entries = root.committed if args.step is None else [require_step(root, args.step)]
+    if args.step is None:
+        root = scan(open_root(args.root, args.storage_options), args.root)
+        require_checkpoints(root)
+        entries = root.committed
+    else:
+        root, entry = show_entry(args)
+        entries = [entry]
     total = sum(e.manifest.nbytes for e in entries if e.manifest is not None)
     progress = Progress(total, sys.stderr)
     bad = 0
@@ -567,9 +596,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """``aiockpt export``: one step's tensors, whole, as plain safetensors (see _export)."""
-    root = scan(open_root(args.root, args.storage_options), args.root, steps=[args.step])
-    require_checkpoints(root)
-    entry = require_step(root, args.step)
+    root, entry = show_entry(args)
     if entry.manifest is None:
         print(f"aiockpt: {entry.error}", file=sys.stderr)
         return 1
@@ -577,7 +604,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     def advance(n: int, total: int) -> None:
         progress.total = max(total, 1)  # what is written, not the whole checkpoint
-        progress.advance(n, f"export step {args.step}")
+        progress.advance(n, f"export step {entry.step}")
 
     try:
         done = _export.export(
@@ -587,6 +614,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             prefix=args.prefix,
             max_shard_size=args.max_shard_size,
             progress=advance,
+            dtype=EXPORT_DTYPES[args.dtype] if args.dtype else None,
         )
     except _export.ExportError as e:
         raise UsageError(str(e)) from None
@@ -602,9 +630,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_copy(args: argparse.Namespace) -> int:
     """``aiockpt copy``: one checkpoint, self-contained (no block refers to another step), into
     another root (see _copy)."""
-    root = scan(open_root(args.root, args.storage_options), args.root, steps=[args.step])
-    require_checkpoints(root)
-    entry = require_step(root, args.step)
+    root, entry = show_entry(args)
     if entry.manifest is None:
         print(f"aiockpt: {entry.error}", file=sys.stderr)
         return 1
@@ -616,7 +642,7 @@ def cmd_copy(args: argparse.Namespace) -> int:
         )
     finally:
         progress.close()
-    print(f"copied step {args.step} ({human_bytes(nbytes)}) to {args.dest}")
+    print(f"copied step {entry.step} ({human_bytes(nbytes)}) to {args.dest}")
     return 0
 
 
@@ -850,7 +876,7 @@ def build_parser() -> tuple[Parser, dict[str, Parser]]:
     add_show(sub.add_parser("show", parents=[common], help="tensors and values of one checkpoint"))
 
     p = sub.add_parser("verify", parents=[common], help="re-read and check every checksum")
-    add_step(p, required=False)
+    add_step(p, required=False, latest=True)
     p.add_argument("--json", action="store_true", help="one JSON object per checkpoint checked")
     p.set_defaults(func=cmd_verify)
 
@@ -859,9 +885,9 @@ def build_parser() -> tuple[Parser, dict[str, Parser]]:
             "export",
             parents=[common],
             help="write one checkpoint's tensors, whole, as plain safetensors",
-            description="Write the tensors of step N (distributed tensors assembled whole) as a "
-            "safetensors file OUT; with --max-shard-size, as the directory OUT in the Hugging Face "
-            "layout.",
+            description="Write the tensors of step N (the newest by default; distributed "
+            "tensors assembled whole) as a safetensors file OUT; with --max-shard-size, as the "
+            "directory OUT in the Hugging Face layout.",
         )
     )
 
@@ -873,7 +899,9 @@ def build_parser() -> tuple[Parser, dict[str, Parser]]:
         "checkpoint: every byte it refers to in earlier steps is copied into its own shards, "
         "every checksum checked on the way.",
     )
-    p.add_argument("step", metavar="STEP", type=step_arg, help="the step to copy")
+    p.add_argument(
+        "step", metavar="STEP", type=step_or_latest, help=f"the step to copy, or {LATEST}"
+    )
     p.add_argument("dest", metavar="DEST", help="the root to copy into: a path or a URL")
     p.add_argument(
         "--dest-option",
@@ -950,7 +978,19 @@ def add_export(p: Parser) -> None:
     p.add_argument(
         "out", metavar="OUT", help="the file to write (a directory with --max-shard-size)"
     )
-    p.add_argument("--step", metavar="N", type=step_arg, required=True, help="the step to export")
+    p.add_argument(
+        "--step",
+        metavar="N",
+        type=step_or_latest,
+        default=LATEST,
+        help=f"the step to export, or {LATEST} (the default) for the newest committed one",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=sorted(EXPORT_DTYPES),
+        help="write floating tensors (fp64, fp32, fp16, bf16) in this dtype; integers, "
+        "booleans and fp8 as they are",
+    )
     p.add_argument(
         "--prefix",
         metavar="P",
@@ -1008,7 +1048,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(f"aiockpt: error: {e}", file=sys.stderr)
         return 2
-    except (CheckpointError, OSError) as e:
+    except (CheckpointError, OSError, Failure) as e:
         if isinstance(e, BrokenPipeError):  # `aiockpt ls ROOT | head`: not an error
             with contextlib.suppress(OSError):
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -244,10 +244,10 @@ def test_mistakes_exit_2_with_one_line_and_write_nothing(two_ranks, tmp_path, ex
     assert os.listdir(tmp_path) == []
 
 
-def test_export_needs_a_step_and_room_for_its_output(two_ranks, tmp_path):
-    r = aiockpt("export", two_ranks[0], str(tmp_path / "x"))
-    assert r.returncode == 2
-    assert "the following arguments are required: --step" in r.stderr
+def test_export_takes_the_newest_step_by_default_and_needs_room(two_ranks, tmp_path):
+    r = aiockpt("export", two_ranks[0], str(tmp_path / "x"), "--prefix", "model")
+    assert r.returncode == 0, r.stderr
+    assert "0.weight" in load_file(str(tmp_path / "x"))  # step 1, the only one
     full = tmp_path / "full"
     full.mkdir()
     (full / "keep").write_text("mine")

@@ -429,3 +429,106 @@ def test_the_new_options_never_import_torch(run, tmp_path):
         [sys.executable, "-c", code, run, str(tmp_path)], capture_output=True, text=True
     )
     assert r.returncode == 0, r.stderr
+
+
+# --------------------------------------------------------------------------- exit codes, latest
+
+
+def run_with_test_storages(*args: str) -> subprocess.CompletedProcess[str]:
+    """The command with ``broken://`` (every listing and read fails) and ``nocreds://`` (its
+    storage finds no credentials) served from tests/_support/counted.py."""
+    tests = str(Path(__file__).parent)
+    env = dict(
+        os.environ,
+        AIOCKPT_STORAGE_FACTORIES="broken=_support.counted:open_broken;"
+        "nocreds=_support.counted:open_without_credentials",
+        PYTHONPATH=os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])),
+    )
+    return subprocess.run(
+        [SCRIPT, *args], capture_output=True, text=True, timeout=60, env=env, check=False
+    )
+
+
+@pytest.mark.parametrize("scheme", ["broken", "nocreds"])
+def test_storage_failures_and_missing_credentials_exit_1(run, tmp_path, scheme):
+    url = f"{scheme}://{run}"
+    commands = [
+        ("ls", url),
+        ("show", url, "latest"),
+        ("verify", url),
+        ("export", url, str(tmp_path / "out.safetensors")),
+        ("copy", url, "3", str(tmp_path / "dest")),
+        ("prune", url),
+    ]
+    why = "connection reset" if scheme == "broken" else "no credentials"
+    for args in commands:
+        r = run_with_test_storages(*args)
+        assert r.returncode == 1, (args, r.stderr)
+        assert why in r.stderr, args
+        assert "error:" not in r.stderr, args  # not reported as a usage mistake
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_latest_is_taken_wherever_a_step_is(run, tmp_path):
+    r = aiockpt_run("verify", run, "latest")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [r.stdout.splitlines()[0]]
+    assert r.stdout.startswith("step 3: ok")
+    r = aiockpt_run("verify", run, "--step", "latest", "--json")
+    assert [json.loads(x)["step"] for x in r.stdout.splitlines()] == [3]
+    # export: --step latest, and the default.
+    for extra in ((), ("--step", "latest")):
+        out = tmp_path / f"out{len(extra)}.safetensors"
+        r = aiockpt_run("export", run, str(out), "--prefix", "params", *extra)
+        assert r.returncode == 0, r.stderr
+        assert "wrote 33 tensors" in r.stdout
+    r = aiockpt_run("copy", run, "latest", str(tmp_path / "dest"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("copied step 3 ")
+    assert (tmp_path / "dest" / fmt.step_dirname(3) / fmt.MANIFEST).exists()
+    r = aiockpt_run("copy", run, "newest", str(tmp_path / "dest2"))
+    assert r.returncode == 2
+    assert "latest" in r.stderr
+
+
+def test_export_dtype_writes_floating_tensors_in_bf16_or_fp16(tmp_path):
+    from safetensors.torch import load_file
+
+    specials = [0.0, -0.0, 1.0, -2.5, 3.14159265, 1e-40, -1e-45, 1e38, 7e4, 65519.0, 65520.0]
+    specials += [float("inf"), float("-inf"), float("nan"), 1.00390625, 1.01171875]
+    g = torch.Generator().manual_seed(3)
+    state = {
+        "w": torch.cat([torch.tensor(specials), torch.randn(4000, generator=g) * 100]),
+        "d": torch.randn(3, 5, generator=g, dtype=torch.float64),
+        "h": torch.randn(7, generator=g).to(torch.bfloat16),
+        "ids": torch.arange(6),
+        "mask": torch.tensor([True, False]),
+    }
+    root = str(tmp_path / "root")
+
+    async def save() -> None:
+        async with AsyncCheckpointManager(root) as mgr:
+            await (await mgr.save(1, state))
+
+    anyio.run(save)
+    for flag, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        out = tmp_path / f"{flag}.safetensors"
+        r = aiockpt_run("export", root, str(out), "--dtype", flag)
+        assert r.returncode == 0, r.stderr
+        got = load_file(str(out))
+        for k, v in state.items():
+            want = v.to(dtype) if v.is_floating_point() else v
+            assert got[k].dtype == want.dtype, k
+            assert got[k].shape == want.shape, k
+            # Bit for bit what torch's cast gives, NaN where it gives NaN (torch's vectorized
+            # and scalar casts make NaNs of different bits).
+            if want.is_floating_point():
+                nan = want.isnan()
+                assert torch.equal(got[k].isnan(), nan), (flag, k)
+                bits = torch.int16 if want.element_size() == 2 else torch.int64
+                assert torch.equal(got[k][~nan].view(bits), want[~nan].view(bits)), (flag, k)
+            else:
+                assert torch.equal(got[k], want), k
+    r = aiockpt_run("export", root, str(tmp_path / "x.safetensors"), "--dtype", "int8")
+    assert r.returncode == 2
+    assert "bf16" in r.stderr

@@ -365,6 +365,32 @@ def _load_reply(blob: bytes, rest: tuple[Any, ...]) -> LoadReply:
 
 
 @dataclass(frozen=True, slots=True)
+class SafetensorsReq(ReadReq):
+    """A Hugging Face safetensors ``source`` (a .safetensors file, or a folder holding
+    ``model.safetensors`` or ``model.safetensors.index.json`` and its shards; a path or URL
+    opened with ``storage_options``), its headers checked as untrusted input. With ``read``
+    None, value: a :class:`SafetensorsInfo`. With ``read``, each (name, file, dtype, shape,
+    start, box) read into a new segment the trainer takes over, the whole tensor (box None)
+    or the box of it (see chunks.read_plan): value a :class:`LoadReply` (``step`` 0) saying
+    where each name lies."""
+
+    source: str
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    read: tuple[tuple[str, str, str, tuple[int, ...], int, Box | None], ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SafetensorsInfo:
+    """What a safetensors source holds: per tensor name (file, dtype, shape, start, end),
+    offsets absolute in the file; the metadata of its index or single file's header; and
+    the source's URL."""
+
+    url: str
+    tensors: dict[str, tuple[str, str, tuple[int, ...], int, int]]
+    metadata: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
 class Stop:
     """Finish what is queued, then exit."""
 

@@ -60,9 +60,10 @@ def wanted_box(rec: dtable.DTensorRecord, want: Wanted | None) -> Chunk | None:
     return chunk
 
 
-class Saved(Protocol):
-    """What the assembler reads a tensor by: a distributed tensor's record, or a plain tensor
-    of another rank's shard read as one chunk (see graft.Borrowed)."""
+class Covered(Protocol):
+    """What :meth:`Assembler.fill` needs of a tensor: its name and dtype, and its chunks
+    that hold part of a box (a :class:`dtable.DTensorRecord`; or a plain tensor read whole
+    as one chunk: another rank's (see graft.Borrowed), or one of a safetensors file)."""
 
     @property
     def name(self) -> str: ...
@@ -72,21 +73,31 @@ class Saved(Protocol):
 
 
 class Assembler:
-    """Fills boxes of distributed tensors in ``out`` from the chunks of their shards."""
+    """Fills boxes of distributed tensors in ``out`` from the chunks of their shards.
+
+    With ``checked`` False (a source without checksums: a plain safetensors file) each chunk
+    is read over exactly the bytes its runs span, and nothing is checked."""
 
     def __init__(
-        self, read: ReadInto, pool: ThreadPoolExecutor, block: int, where: Callable[[str], str]
+        self,
+        read: ReadInto,
+        pool: ThreadPoolExecutor,
+        block: int,
+        where: Callable[[str], str],
+        *,
+        checked: bool = True,
     ) -> None:
         self.read = read
         self.pool = pool
         self.block = block
         self.where = where
+        self.checked = checked
         self.checks: list[Future[None]] = []
         #: Bytes read from storage, and bytes of the boxes filled.
         self.read_bytes = 0
         self.used_bytes = 0
 
-    def fill(self, rec: Saved, box: Chunk, out: memoryview) -> None:
+    def fill(self, rec: Covered, box: Chunk, out: memoryview) -> None:
         """Assemble ``box`` of ``rec`` into ``out`` (its row-major bytes)."""
         itemsize = DTYPE_SIZES[rec.dtype]
         self.used_bytes += box.numel * itemsize
@@ -96,6 +107,9 @@ class Assembler:
     def _copy(self, name: str, saved: dtable.ChunkRecord, runs: list[Run], out: memoryview) -> None:
         lo, hi = byte_span(runs)
         n = saved.nbytes
+        if not self.checked:
+            self._unchecked(saved, runs, lo, hi, out)
+            return
         if lo == 0 and hi == n and len(runs) == 1:
             # The whole chunk lands as one run: read it into place, check it there.
             dst = out[runs[0].dst_offset : runs[0].dst_offset + n]
@@ -117,6 +131,20 @@ class Assembler:
         # and nobody sees ``out`` then.
         scatter(runs, view, out, src_base=start)
         self._check(name, saved, view, expect, whole=whole)
+
+    def _unchecked(
+        self, saved: dtable.ChunkRecord, runs: list[Run], lo: int, hi: int, out: memoryview
+    ) -> None:
+        """Read bytes [lo, hi) of ``saved`` and copy its runs into place: one run is read
+        straight there."""
+        self.read_bytes += hi - lo
+        if len(runs) == 1:
+            at = runs[0].dst_offset
+            self.read(saved.shard, saved.start + lo, out[at : at + hi - lo])
+            return
+        buf = memoryview(bytearray(hi - lo))
+        self.read(saved.shard, saved.start + lo, buf)
+        scatter(runs, buf, out, src_base=lo)
 
     def _check(
         self,

@@ -41,6 +41,7 @@ from .._core.protocol import (
     Ready,
     RecordsReq,
     Reply,
+    SafetensorsReq,
     SaveReq,
     SlabFree,
     StepRecord,
@@ -54,6 +55,7 @@ from .._core.shm import trainer_segments, unlink
 from .._core.storeops import PipeStoreOps
 from ..errors import DaemonStartError
 from ..storage import CountingStorage, Storage, open_storage
+from . import hfread
 from .coord import Coordinator, no_fence
 from .lease import LeaseKeeper
 from .pipe import Outbox, remote_error
@@ -135,6 +137,7 @@ class Daemon:
             CollectPartialsReq: self._collect_partials,
             PublishFailureReq: self._publish_failure,
             DeleteReq: self._delete,
+            SafetensorsReq: self._safetensors,
         }
 
     def start(self) -> LeaseGrant | None:
@@ -178,6 +181,16 @@ class Daemon:
 
     def _warm(self, req: WarmReq) -> None:
         self.reader.warm(req.step, req.rank, req.world_size)
+
+    def _safetensors(self, req: SafetensorsReq) -> Any:
+        # A Hugging Face safetensors source, opened for this request alone (see hfread).
+        source = hfread.Source(req.source, req.storage_options)
+        try:
+            if req.read is None:
+                return hfread.describe(source)
+            return hfread.read(source, list(req.read), self.reader.load_segments, self.pool)
+        finally:
+            source.close()
 
     def _steps(self, req: StepsReq) -> tuple[int, ...]:
         return tuple(self.catalog.committed_steps())

@@ -42,6 +42,7 @@ from . import checks
 from . import dist as _dist
 from .client import DaemonCallbacks, DaemonClient, SubprocessClient
 from .dist import resolve_group
+from .hfload import SafetensorsLoading
 from .ledger import Ledger, SaveHandle, check_loop, loop_token
 from .loading import Loader, check_keys
 from .mirror import DaemonMirror
@@ -59,7 +60,7 @@ DEFAULT_LEASE_TTL = 30.0
 __all__ = ["AsyncCheckpointManager", "CheckpointInfo", "SaveHandle"]
 
 
-class AsyncCheckpointManager:
+class AsyncCheckpointManager(SafetensorsLoading):
     """Saves and loads checkpoints of a training run through a persistent daemon process.
 
     Use it as an async context manager; see the README for the API and docs/ for the design.

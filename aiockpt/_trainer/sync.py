@@ -327,6 +327,12 @@ class CheckpointManager:
             self._async.load, step, into=into, strict=strict, keys=keys, atomic=atomic
         )
 
+    def load_safetensors(
+        self, source: Any, into: Any = None, *, rename: Any = None, dtype: Any = None
+    ) -> Any:
+        """Hugging Face safetensors weights; see AsyncCheckpointManager.load_safetensors."""
+        return self._call(self._async.load_safetensors, source, into, rename=rename, dtype=dtype)
+
 
 async def _settle(mgr: AsyncCheckpointManager, timeout: float) -> list[int]:
     """Wait up to ``timeout`` s for ``mgr``'s saves in flight; the steps still pending."""

@@ -1,0 +1,297 @@
+"""Hugging Face safetensors sources read for a load (``load_safetensors``): a ``.safetensors``
+file, or a folder holding ``model.safetensors`` or ``model.safetensors.index.json`` and its
+shards, on any storage aiockpt opens (a local path, an fsspec URL, a plugin's).
+
+:func:`describe` reads and checks every header (see :mod:`aiockpt._core.hfformat`) and says
+where each tensor lies; the trainer then asks (:func:`read`) for what it needs: whole
+tensors, read as runs of back-to-back byte ranges, and boxes of tensors (a rank's local
+chunk of a DTensor), each tensor seen as one saved chunk so that the
+:class:`~aiockpt._daemon.reshard.Assembler` reads only the one byte range that holds the
+box's runs (a dim-0 box of a row-major tensor is one range, read straight into place).
+The bytes go into a new shared-memory segment the trainer takes over, as ``load()``'s do.
+Safetensors files carry no checksums: sizes and offsets are what is verified.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+from .._core import hfformat as hf
+from .._core.chunks import Chunk, read_plan
+from .._core.dtable import ChunkRecord
+from .._core.dtypes import DTYPE_SIZES
+from .._core.protocol import LoadReply, SafetensorsInfo, TensorAt
+from .._core.shm import Segment
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..storage import Storage, open_storage
+from .reshard import OUT_ALIGN, Assembler
+
+__all__ = ["Source", "describe", "read"]
+
+#: The first read of a header: enough for a few hundred tensors.
+HEAD_PEEK = 64 * 1024
+#: Runs are read this much at a time.
+READ_PIECE = 64 * 1024 * 1024
+#: A run of this many bytes or more is placed so that its file offsets and its place in the
+#: segment agree modulo the page size: local storage then reads it past the page cache.
+DIRECT_MIN = 1 << 20
+PAGE = 4096
+
+#: What the trainer asks to read: (name, file, dtype, shape, start, box or None).
+ReadItem = tuple[str, str, str, tuple[int, ...], int, Any]
+
+
+class Source:
+    """A safetensors file or folder, opened: its storage, and the file names to read."""
+
+    def __init__(self, url: str, options: dict[str, Any]) -> None:
+        self.url = url.rstrip("/") or url
+        self.single: str | None
+        folder, sep, name = self.url.rpartition("/")
+        if name.endswith(".safetensors"):
+            self.folder, self.single = (folder or "/") if sep else ".", name
+        else:
+            self.folder, self.single = self.url, None
+        self.storage: Storage = open_storage(self.folder, options)
+
+    def where(self, name: str) -> str:
+        """The URL of a file of the source."""
+        return f"{self.folder.rstrip('/')}/{name}"
+
+    def files(self) -> tuple[dict[str, str] | None, list[str], dict[str, Any]]:
+        """The index's weight map (None without one), the files to read, and the index's
+        metadata."""
+        if self.single is not None:
+            if not self.storage.exists(self.single):
+                raise CheckpointNotFoundError(f"{self.url}: no such safetensors file")
+            return None, [self.single], {}
+        if self.storage.exists(hf.INDEX):
+            path = self.where(hf.INDEX)
+            size = self.storage.size(hf.INDEX)
+            if size > hf.MAX_INDEX:
+                raise CorruptCheckpointError(
+                    f"{path}: bad safetensors index: {size} bytes", path=path
+                )
+            weight_map, meta = hf.parse_index(self.storage.read_range(hf.INDEX, 0, size), path=path)
+            return weight_map, sorted(set(weight_map.values())), meta
+        if self.storage.exists(hf.SINGLE):
+            return None, [hf.SINGLE], {}
+        raise CheckpointNotFoundError(
+            f"{self.url}: no safetensors here (neither a .safetensors file, nor a folder "
+            f"holding {hf.SINGLE} or {hf.INDEX})"
+        )
+
+    def header(self, name: str) -> hf.FileHeader:
+        """The checked header of file ``name``."""
+        path = self.where(name)
+        if not self.storage.exists(name):
+            raise CorruptCheckpointError(f"{path}: the shard the index names is missing", path=path)
+        size = self.storage.size(name)
+        first = self.storage.read_range(name, 0, min(size, HEAD_PEEK))
+        end = hf.header_end(first, size, path=path)
+        if end > len(first):
+            first += self.storage.read_range(name, len(first), end)
+        return hf.parse_file_header(first[:end], size, path=path)
+
+    def close(self) -> None:
+        self.storage.close()
+
+
+def describe(source: Source) -> SafetensorsInfo:
+    """Every tensor of ``source``: where it lies, its dtype and shape, every header checked."""
+    weight_map, files, meta = source.files()
+    tensors: dict[str, tuple[str, str, tuple[int, ...], int, int]] = {}
+    for name in files:
+        head = source.header(name)
+        if weight_map is None:
+            meta = dict(head.metadata)
+        for key, (dtype, shape, start, end) in head.tensors.items():
+            if weight_map is None or weight_map.get(key) == name:
+                tensors[key] = (name, dtype, shape, start, end)
+    if weight_map is not None:
+        for key, name in weight_map.items():
+            if key not in tensors:
+                path = source.where(hf.INDEX)
+                raise CorruptCheckpointError(
+                    f"{path}: the index puts tensor {key!r} in {name}, whose header lacks it",
+                    path=path,
+                    key=key,
+                )
+    return SafetensorsInfo(source.url, tensors, meta)
+
+
+class _Whole(NamedTuple):
+    """One tensor of a file as the one chunk that holds all of it (see reshard.Covered)."""
+
+    name: str
+    dtype: str
+    saved: ChunkRecord
+
+    def covering(self, box: Chunk) -> list[ChunkRecord]:
+        return [self.saved]
+
+
+class _Run(NamedTuple):
+    """Back-to-back tensors of one file: bytes [lo, hi), read to ``base`` of the segment."""
+
+    file: str
+    lo: int
+    hi: int
+    items: list[tuple[str, str, tuple[int, ...], int]]
+    base: int = 0
+
+
+def runs_of(whole: list[ReadItem]) -> list[_Run]:
+    """Whole tensors as runs of back-to-back byte ranges of one file, in file order; a tensor
+    joins a run only where its item size divides its distance from the run's start."""
+    runs: list[_Run] = []
+    for name, file, dtype, shape, start, _ in sorted(whole, key=lambda i: (i[1], i[4])):
+        end = start + math.prod(shape) * DTYPE_SIZES[dtype]
+        last = runs[-1] if runs else None
+        if (
+            last is not None
+            and last.file == file
+            and last.hi == start
+            and (start - last.lo) % DTYPE_SIZES[dtype] == 0
+        ):
+            last.items.append((name, dtype, shape, start))
+            runs[-1] = last._replace(hi=end)
+        else:
+            runs.append(_Run(file, start, end, [(name, dtype, shape, start)]))
+    return runs
+
+
+def place(runs: list[_Run]) -> tuple[list[_Run], int]:
+    """Each run's place in the segment, and where they end: 64-byte aligned, and a large run
+    whose start is 8-byte aligned in its file at the same offset modulo the page size."""
+    placed, pos = [], 0
+    for run in runs:
+        pos = (pos + OUT_ALIGN - 1) // OUT_ALIGN * OUT_ALIGN
+        if run.hi - run.lo >= DIRECT_MIN and run.lo % 8 == 0:
+            pos += (run.lo - pos) % PAGE
+        placed.append(run._replace(base=pos))
+        pos += run.hi - run.lo
+    return placed, pos
+
+
+def place_boxes(
+    pos: int, parts: list[ReadItem], boxes: list[tuple[str, str, Chunk]]
+) -> tuple[dict[str, int], int]:
+    """Where each box goes in the segment after ``pos`` bytes, and where they end: as
+    reshard.out_offsets places them, and a large box that is one run of its tensor (a dim-0
+    piece) at its file offset modulo the page size, as place() does a run."""
+    out_at: dict[str, int] = {}
+    for (_, _, _, shape, start, _), (name, dtype, box) in zip(parts, boxes, strict=True):
+        pos = (pos + OUT_ALIGN - 1) // OUT_ALIGN * OUT_ALIGN
+        itemsize = DTYPE_SIZES[dtype]
+        nbytes = box.numel * itemsize
+        if nbytes >= DIRECT_MIN:
+            runs = read_plan(Chunk((0,) * len(shape), tuple(shape)), box, itemsize)
+            first = start + runs[0].src_start
+            if len(runs) == 1 and first % 8 == 0:
+                pos += (first - pos) % PAGE
+        out_at[name] = pos
+        pos += nbytes
+    return out_at, pos
+
+
+def read_pieces(storage: Storage) -> Callable[[str, int, memoryview], None]:
+    """``storage.readinto`` cut as :func:`pieces` cuts a run, so that what lies on pages in
+    both the file and the segment is read past the page cache."""
+
+    def read(file: str, offset: int, out: memoryview) -> None:
+        for a, b in pieces(offset, offset + len(out)):
+            with out[a - offset : b - offset] as view:
+                storage.readinto(file, a, view)
+
+    return read
+
+
+def pieces(lo: int, hi: int) -> Iterator[tuple[int, int]]:
+    """[lo, hi) cut at the first page boundary of the file, then every READ_PIECE bytes."""
+    first = min(hi, (lo + PAGE - 1) // PAGE * PAGE)
+    if first > lo:
+        yield lo, first
+    for a in range(first, hi, READ_PIECE):
+        yield a, min(a + READ_PIECE, hi)
+
+
+def read(
+    source: Source, items: list[ReadItem], segments: set[str], pool: ThreadPoolExecutor
+) -> LoadReply:
+    """Read ``items`` (whole tensors, and boxes of tensors) into a new segment, whose name is
+    added to ``segments`` (the daemon unlinks them at exit); where each lies in it."""
+    whole, parts = [], []
+    for item in items:
+        _, _, _, shape, _, box = item
+        if box is None or tuple(map(tuple, box)) == ((0,) * len(shape), tuple(shape)):
+            whole.append(item)
+        else:
+            parts.append(item)
+    runs, pos = place(runs_of(whole))
+    boxes = [(i[0], i[2], Chunk(tuple(i[5][0]), tuple(i[5][1]))) for i in parts]
+    out_at, size = place_boxes(pos, parts, boxes)
+    tensors: dict[str, TensorAt] = {}
+    for run in runs:
+        for name, dtype, shape, start in run.items:
+            tensors[name] = (dtype, shape, run.base + start - run.lo)
+    for name, dtype, box in boxes:
+        tensors[name] = (dtype, box.sizes, out_at[name])
+    seg = Segment.create(size, kind="load", populate=False)
+    segments.add(seg.name)
+    try:
+        nread = _fill(source, runs, parts, boxes, out_at, seg, pool)
+    except BaseException:
+        seg.close()
+        seg.unlink()
+        segments.discard(seg.name)
+        raise
+    seg.close()  # the trainer maps it and takes it over
+    nbytes = sum(math.prod(i[3]) * DTYPE_SIZES[i[2]] for i in items)
+    return LoadReply(
+        step=0,
+        segment=seg.name,
+        size=size,
+        tensors=tensors,
+        tree=None,
+        metrics={},
+        metadata={},
+        created_at=0.0,
+        nbytes=nbytes,
+        url=source.url,
+        read_nbytes=nread,
+    )
+
+
+def _fill(
+    source: Source,
+    runs: list[_Run],
+    parts: list[ReadItem],
+    boxes: list[tuple[str, str, Chunk]],
+    out_at: dict[str, int],
+    seg: Segment,
+    pool: ThreadPoolExecutor,
+) -> int:
+    """Read the runs and assemble the boxes into ``seg``; the bytes read."""
+    storage = source.storage
+    nread = 0
+    for run in runs:
+        for a, b in pieces(run.lo, run.hi):
+            at = run.base + a - run.lo
+            with seg.buf[at : at + b - a] as out:
+                storage.readinto(run.file, a, out)
+        nread += run.hi - run.lo
+
+    assembler = Assembler(read_pieces(storage), pool, 1, source.where, checked=False)
+    for (name, file, dtype, shape, start, _), (_, _, box) in zip(parts, boxes, strict=True):
+        if not box.numel:
+            continue
+        end = start + math.prod(shape) * DTYPE_SIZES[dtype]
+        whole = ChunkRecord(Chunk((0,) * len(shape), tuple(shape)), file, start, end, 0, ())
+        n = box.numel * DTYPE_SIZES[dtype]
+        with seg.buf[out_at[name] : out_at[name] + n] as out:
+            assembler.fill(_Whole(name, dtype, whole), box, out)
+    return nread + assembler.read_bytes

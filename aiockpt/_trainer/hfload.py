@@ -1,0 +1,260 @@
+"""``load_safetensors``: Hugging Face safetensors weights, read through the daemon into new
+tensors or in place into a module or a mapping of tensors and DTensors.
+
+The daemon reads and checks the source's headers (``SafetensorsReq`` without ``read``); this
+side matches the file's names (after ``rename``) against the target, checks every shape and
+dtype, and says per tensor what to read: the whole of it, or, for a DTensor, the box of the
+global tensor this rank holds (``dtensor.check_placements``). The daemon reads only those
+byte ranges into a new segment (``_daemon/hfread.py``); the tensors are then copied into the
+targets, none of which changed before every check passed and every byte was read. Under a
+process group the ranks agree before anything is copied (``dist.LoadAgreement``), so what
+fails on one rank fails on all.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import anyio
+import torch
+
+from .._core.protocol import LoadReply, SafetensorsInfo, SafetensorsReq
+from ..errors import LoadMismatchError, SavedKeyNotFoundError, UnsupportedValueError
+from ..storage._registry import split_protocol
+from . import dist as _dist
+from .loading import map_loaded
+from .staging import copy_pairs
+from .state import ST_TO_TORCH, _dtensor_type
+
+__all__ = ["SafetensorsLoading", "load_safetensors"]
+
+Rename = Callable[[str], "str | None"]
+
+
+def source_url(source: Any, root_url: str, options: Mapping[str, Any]) -> tuple[str, dict]:
+    """The URL the daemon opens for ``source`` (a local path made absolute), and the storage
+    options it gets: the manager's when the source is of the root's protocol, else none."""
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"source must be a path or URL, not {type(source).__name__}")
+    text = os.fspath(source)
+    if not isinstance(text, str) or not text:
+        raise TypeError(f"source must be a non-empty str path or URL, not {source!r}")
+    protocol, url = split_protocol(text)
+    same = protocol == split_protocol(root_url)[0] and protocol != "file"
+    return url, dict(options) if same else {}
+
+
+def check_args(rename: Any, dtype: Any) -> None:
+    if rename is not None and not callable(rename):
+        raise TypeError(f"rename must be a callable name -> key or None, not {rename!r}")
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype or None, not {dtype!r}")
+    if dtype is not None and not dtype.is_floating_point:
+        raise ValueError(f"dtype casts floating tensors: give a floating dtype, not {dtype}")
+
+
+def renamed(info: SafetensorsInfo, rename: Rename | None) -> dict[str, str]:
+    """key -> the file's tensor name, ``rename`` applied (None skips a tensor); two names
+    given one key are a LoadMismatchError naming both."""
+    keys: dict[str, str] = {}
+    for name in info.tensors:
+        key = name if rename is None else rename(name)
+        if key is None:
+            continue
+        if not isinstance(key, str):
+            raise TypeError(f"rename({name!r}) returned {key!r}, not a str or None")
+        if key in keys:
+            raise LoadMismatchError(
+                f"{key}: rename gives this key to two tensors of {info.url}: "
+                f"{keys[key]!r} and {name!r}"
+            )
+        keys[key] = name
+    return keys
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` in ``dtype`` when both are floating; as it is otherwise."""
+    if dtype is None or not t.is_floating_point() or not dtype.is_floating_point:
+        return t
+    return t.to(dtype)
+
+
+def targets_of(into: Any) -> dict[str, torch.Tensor]:
+    """The tensors to fill, by key: a module's state dict (parameters and buffers as they
+    are), or a mapping's values, each a tensor or DTensor."""
+    if isinstance(into, torch.nn.Module):
+        return dict(into.state_dict(keep_vars=True))
+    if not isinstance(into, Mapping):
+        raise TypeError(
+            f"into must be None, an nn.Module or a mapping of tensors, not {type(into).__name__}"
+        )
+    out = {}
+    for key, value in into.items():
+        if not isinstance(key, str):
+            raise UnsupportedValueError(repr(key), "a target's keys must be str")
+        if not isinstance(value, torch.Tensor):
+            raise UnsupportedValueError(
+                key, f"{type(value).__name__} is not a tensor to load safetensors into"
+            )
+        out[key] = value
+    return out
+
+
+def _ident(t: torch.Tensor) -> Any:
+    """What two keys holding one tensor share (tied weights): the object, or its memory."""
+    if _is_dtensor(t) or t.numel() == 0:
+        return id(t)
+    return (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.device)
+
+
+def _is_dtensor(t: Any) -> bool:
+    dtensor = _dtensor_type()
+    return dtensor is not None and isinstance(t, dtensor)
+
+
+def match(
+    keys: dict[str, str], targets: dict[str, torch.Tensor], url: str
+) -> dict[str, torch.Tensor]:
+    """The targets to fill, by key, once every key is both in the file and in the target; a
+    target key the file lacks is filled through a tied twin (the same tensor under another
+    key) when it has one. Raises, naming the keys, when any is left over on either side."""
+    extra = sorted(k for k in keys if k not in targets)
+    filled = {_ident(t) for k, t in targets.items() if k in keys}
+    missing = sorted(k for k, t in targets.items() if k not in keys and _ident(t) not in filled)
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"in the target but not in the file: {', '.join(missing)}")
+        if extra:
+            parts.append(f"in the file but not in the target: {', '.join(extra)}")
+        error = SavedKeyNotFoundError if missing else LoadMismatchError
+        raise error(
+            f"{url} and the target hold different tensors ({'; '.join(parts)}); rename= maps "
+            "the file's names to the target's keys, None leaving a tensor out"
+        )
+    return {k: t for k, t in targets.items() if k in keys}
+
+
+def plan_reads(
+    info: SafetensorsInfo,
+    keys: dict[str, str],
+    fill: dict[str, torch.Tensor],
+    dtype: torch.dtype | None,
+) -> list[tuple[str, str, str, tuple[int, ...], int, Any]]:
+    """What to read for each target: the whole tensor, or this rank's box of a DTensor's;
+    every shape and dtype checked first (LoadMismatchError naming the key)."""
+    from .dtensor import check_placements  # DTensor support, imported only when needed
+
+    reads = []
+    for key, target in fill.items():
+        name = keys[key]
+        file, st, shape, start, _ = info.tensors[name]
+        saved = ST_TO_TORCH[st]
+        after = dtype if dtype is not None and saved.is_floating_point else saved
+        if tuple(target.shape) != shape:
+            raise LoadMismatchError(
+                f"{key}: the file holds {name!r} of shape {list(shape)}, the target's is "
+                f"{list(target.shape)}"
+            )
+        if after != target.dtype:
+            hint = " (dtype= casts floating tensors)" if saved.is_floating_point else ""
+            raise LoadMismatchError(
+                f"{key}: the file holds {name!r} as {saved}, the target's dtype is "
+                f"{target.dtype}{hint}"
+            )
+        box = None
+        if _is_dtensor(target):
+            chunk = check_placements(target, key)  # type: ignore[arg-type]
+            if chunk is None or not chunk.numel:
+                continue
+            box = (chunk.offsets, chunk.sizes)
+        reads.append((name, file, st, shape, start, box))
+    return reads
+
+
+async def load_safetensors(
+    mgr: Any,
+    source: Any,
+    into: Any,
+    rename: Rename | None,
+    dtype: torch.dtype | None,
+) -> Any:
+    """See AsyncCheckpointManager.load_safetensors; ``mgr`` is the open manager."""
+    check_args(rename, dtype)
+    url, options = source_url(source, mgr.url, mgr.storage_options)
+    agreement = _dist.LoadAgreement(mgr._loader.group, None)
+    try:
+        client: Any = await mgr._daemons.live()
+        info: SafetensorsInfo = await client.request(
+            SafetensorsReq, source=url, storage_options=options
+        )
+        keys = renamed(info, rename)
+        if into is None:
+            whole = {k: info.tensors[n] for k, n in keys.items()}
+            reads = [(keys[k], f, st, sh, s, None) for k, (f, st, sh, s, _) in whole.items()]
+        else:
+            fill = match(keys, targets_of(into), info.url)
+            reads = plan_reads(info, keys, fill, dtype)
+        reply: LoadReply = await client.request(
+            SafetensorsReq, source=url, storage_options=options, read=tuple(reads)
+        )
+        loaded = map_loaded(reply)
+        agreement.checked(0)
+        if into is None:
+            result: Any = {k: cast(loaded[keys[k]], dtype) for k in keys}
+        else:
+            await anyio.to_thread.run_sync(_copy_into, fill, keys, loaded, dtype)
+            result = into
+        agreement.restored(0)
+    except Exception as e:
+        try:
+            agreement.failed(e)  # the other ranks learn of it, and raise too
+        except Exception as told:
+            raise told from e
+        raise
+    return result
+
+
+def _copy_into(
+    fill: dict[str, torch.Tensor],
+    keys: dict[str, str],
+    loaded: dict[str, torch.Tensor],
+    dtype: torch.dtype | None,
+) -> None:
+    dsts, srcs = [], []
+    for key, target in fill.items():
+        src = loaded.get(keys[key])
+        if src is None:  # a DTensor of which this rank holds nothing
+            continue
+        local = target._local_tensor if _is_dtensor(target) else target  # type: ignore[attr-defined]
+        dsts.append(local)
+        srcs.append(cast(src, dtype))
+    with torch.no_grad():
+        copy_pairs(dsts, srcs)
+
+
+class SafetensorsLoading:
+    """``load_safetensors`` of :class:`~aiockpt.AsyncCheckpointManager` (its base class)."""
+
+    async def load_safetensors(
+        self,
+        source: str | os.PathLike[str],
+        into: Any = None,
+        *,
+        rename: Rename | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> Any:
+        """Load Hugging Face safetensors weights: ``source`` a ``.safetensors`` file, a folder
+        holding ``model.safetensors`` or ``model.safetensors.index.json`` and its shards, or
+        a URL of either. Without ``into``, a dict of new plain tensors by name (every rank
+        gets them whole); with ``into`` (an ``nn.Module``, or a mapping of tensors and
+        DTensors), each tensor filled in place, each rank reading only the bytes of its own
+        pieces, and ``into`` returned. ``rename(name)`` gives a file's tensor its key (None
+        leaves it out); ``dtype`` casts floating tensors. Strict: names on one side only, a
+        shape or dtype that differs, a malformed file: a CheckpointError naming the key, and
+        ``into`` unchanged. See docs/safetensors.md."""
+        mgr: Any = self
+        mgr._check_open()
+        return await load_safetensors(mgr, source, into, rename, dtype)

@@ -1,0 +1,316 @@
+"""load_safetensors in one process: Hugging Face safetensors files and folders, read through
+the daemon into new tensors or in place into a module or a mapping of tensors."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from aiockpt import AsyncCheckpointManager, CheckpointManager
+from aiockpt.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    LoadMismatchError,
+)
+
+
+def tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "embed.weight": torch.randn(11, 6, generator=g),
+        "layers.0.weight": torch.randn(6, 6, generator=g, dtype=torch.float64),
+        "layers.0.bias": torch.randn(6, generator=g).to(torch.bfloat16),
+        "layers.0.count": torch.arange(5, dtype=torch.int64),
+        "mask": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 4),
+    }
+
+
+def load(root: str, source, **kw):
+    async def main():
+        async with AsyncCheckpointManager(root) as mgr:
+            return await mgr.load_safetensors(source, **kw)
+
+    return anyio.run(main)
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, 6)
+        self.proj = torch.nn.Linear(6, 4)
+        self.register_buffer("steps", torch.zeros(3, dtype=torch.int64))
+
+
+def net_file(path: Path, seed: int = 1, dtype: torch.dtype = torch.float32) -> dict:
+    torch.manual_seed(seed)
+    sd = {k: v.clone() for k, v in Net().state_dict().items()}
+    sd["steps"] = torch.tensor([4, 5, 6])
+    save_file({k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}, str(path))
+    return sd
+
+
+def snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in module.state_dict().items()}
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a
+    )
+
+
+def test_a_file_round_trips_into_new_plain_tensors(tmp_path, root):
+    want = tensors()
+    save_file(want, str(tmp_path / "m.safetensors"))
+    got = load(root, str(tmp_path / "m.safetensors"))
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert type(got[k]) is torch.Tensor
+        assert got[k].dtype == v.dtype
+        assert got[k].shape == v.shape
+        assert torch.equal(got[k], v), k
+
+
+def test_a_folder_with_model_safetensors_and_a_file_url(tmp_path, root):
+    want = tensors()
+    save_file(want, str(tmp_path / "model.safetensors"))
+    assert same(load(root, str(tmp_path)), want)
+    assert same(load(root, f"file://{tmp_path}/model.safetensors"), want)
+
+
+def test_a_module_is_filled_in_place(tmp_path, root):
+    sd = net_file(tmp_path / "net.safetensors")
+    torch.manual_seed(2)
+    net = Net()
+    weight = net.proj.weight
+    assert load(root, str(tmp_path / "net.safetensors"), into=net) is net
+    assert net.proj.weight is weight  # in place
+    assert same(snapshot(net), sd)
+
+
+def test_a_mapping_of_tensors_is_filled_in_place(tmp_path, root):
+    want = tensors()
+    save_file(want, str(tmp_path / "m.safetensors"))
+    target = {k: torch.full_like(v, 0) for k, v in want.items()}
+    ids = {k: id(v) for k, v in target.items()}
+    load(root, str(tmp_path / "m.safetensors"), into=target)
+    assert {k: id(v) for k, v in target.items()} == ids
+    assert same(target, want)
+
+
+def test_bf16_file_into_fp32_parameters_and_new_tensors_with_dtype(tmp_path, root):
+    sd = net_file(tmp_path / "bf16.safetensors", dtype=torch.bfloat16)
+    net = Net()
+    load(root, str(tmp_path / "bf16.safetensors"), into=net, dtype=torch.float32)
+    for k, v in net.state_dict().items():
+        expect = sd[k].to(torch.bfloat16).to(torch.float32) if sd[k].is_floating_point() else sd[k]
+        assert v.dtype == expect.dtype, k
+        assert torch.equal(v, expect), k
+    got = load(root, str(tmp_path / "bf16.safetensors"), dtype=torch.float32)
+    assert got["proj.weight"].dtype == torch.float32
+    assert got["steps"].dtype == torch.int64  # integers are never cast
+    assert torch.equal(got["steps"], torch.tensor([4, 5, 6]))
+
+
+def test_a_dtype_that_differs_without_dtype_is_refused(tmp_path, root):
+    net_file(tmp_path / "bf16.safetensors", dtype=torch.bfloat16)
+    net = Net()
+    before = snapshot(net)
+    with pytest.raises(LoadMismatchError, match=r"embed\.weight.*bfloat16.*dtype="):
+        load(root, str(tmp_path / "bf16.safetensors"), into=net)
+    assert same(snapshot(net), before)
+
+
+def test_rename_strips_a_prefix_and_skips_names(tmp_path, root):
+    sd = net_file(tmp_path / "x.safetensors")
+    prefixed = {f"model.{k}": v for k, v in sd.items()}
+    prefixed["lm_head.extra"] = torch.ones(2)
+    save_file(prefixed, str(tmp_path / "p.safetensors"))
+
+    def rename(name: str) -> str | None:
+        return name.removeprefix("model.") if name.startswith("model.") else None
+
+    net = Net()
+    load(root, str(tmp_path / "p.safetensors"), into=net, rename=rename)
+    assert same(snapshot(net), sd)
+    got = load(root, str(tmp_path / "p.safetensors"), rename=rename)
+    assert set(got) == set(sd)
+
+
+def test_missing_and_extra_names_are_refused_naming_them(tmp_path, root):
+    sd = net_file(tmp_path / "x.safetensors")
+    del sd["proj.bias"]
+    sd["surplus"] = torch.ones(3)
+    save_file(sd, str(tmp_path / "odd.safetensors"))
+    net = Net()
+    before = snapshot(net)
+    with pytest.raises(LoadMismatchError) as e:
+        load(root, str(tmp_path / "odd.safetensors"), into=net)
+    assert "proj.bias" in str(e.value)
+    assert "surplus" in str(e.value)
+    assert same(snapshot(net), before)
+
+
+def test_a_shape_mismatch_names_the_key_and_leaves_the_target(tmp_path, root):
+    sd = net_file(tmp_path / "x.safetensors")
+    sd["proj.weight"] = torch.ones(5, 6)
+    save_file(sd, str(tmp_path / "bad.safetensors"))
+    net = Net()
+    before = snapshot(net)
+    with pytest.raises(LoadMismatchError, match=r"proj\.weight"):
+        load(root, str(tmp_path / "bad.safetensors"), into=net)
+    assert same(snapshot(net), before)
+
+
+def test_two_names_renamed_to_one_key_are_refused(tmp_path, root):
+    save_file({"a.w": torch.ones(2), "b.w": torch.ones(2)}, str(tmp_path / "t.safetensors"))
+    with pytest.raises(LoadMismatchError, match="a.w.*b.w|b.w.*a.w"):
+        load(root, str(tmp_path / "t.safetensors"), rename=lambda n: "w")
+
+
+def test_a_source_that_is_not_there(tmp_path, root):
+    with pytest.raises(CheckpointNotFoundError, match="nothing"):
+        load(root, str(tmp_path / "nothing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointNotFoundError, match="model.safetensors"):
+        load(root, str(tmp_path / "empty"))
+
+
+def raw_file(path: Path, header: bytes | dict, data: bytes = b"\0" * 64) -> str:
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+    return str(path)
+
+
+HOSTILE = {
+    "out_of_range": {"w": {"dtype": "F32", "shape": [32], "data_offsets": [0, 128]}},
+    "overlapping": {
+        "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+        "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]},
+    },
+    "size_mismatch": {"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 16]}},
+    "negative": {"w": {"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]}},
+    "unknown_dtype": {"w": {"dtype": "Q7", "shape": [4], "data_offsets": [0, 16]}},
+    "not_json": b"{not json",
+    "not_an_object": b"[1, 2]",
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_hostile_header_is_a_corrupt_checkpoint(tmp_path, root, case):
+    path = raw_file(tmp_path / "h.safetensors", HOSTILE[case])
+    net = {"w": torch.zeros(4)}
+    with pytest.raises(CorruptCheckpointError):
+        load(root, path)
+    with pytest.raises(CorruptCheckpointError):
+        load(root, path, into=net)
+    assert torch.equal(net["w"], torch.zeros(4))
+
+
+def test_a_huge_header_length_is_refused_before_it_is_read(tmp_path, root):
+    path = tmp_path / "huge.safetensors"
+    path.write_bytes(struct.pack("<Q", 2**40) + b"{}")
+    with pytest.raises(CorruptCheckpointError, match="header"):
+        load(root, str(path))
+    path.write_bytes(b"\1\2")
+    with pytest.raises(CorruptCheckpointError):
+        load(root, str(path))
+
+
+def write_index(folder: Path, weight_map: dict) -> None:
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
+
+
+@pytest.mark.parametrize("bad", ["../outside.safetensors", "/abs.safetensors", "sub/x.safetensors"])
+def test_index_shard_names_must_stay_in_the_folder(tmp_path, root, bad):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    save_file({"w": torch.ones(2)}, str(tmp_path / "outside.safetensors"))
+    write_index(folder, {"w": bad})
+    with pytest.raises(CorruptCheckpointError, match="index"):
+        load(root, str(folder))
+
+
+def test_an_index_naming_a_tensor_its_shard_lacks_is_corrupt(tmp_path, root):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    save_file({"w": torch.ones(2)}, str(folder / "model-00001-of-00001.safetensors"))
+    write_index(
+        folder, {"w": "model-00001-of-00001.safetensors", "v": "model-00001-of-00001.safetensors"}
+    )
+    with pytest.raises(CorruptCheckpointError, match="'v'"):
+        load(root, str(folder))
+    (folder / "model.safetensors.index.json").write_text("{oops")
+    with pytest.raises(CorruptCheckpointError, match="index"):
+        load(root, str(folder))
+
+
+def test_a_sharded_transformers_folder_loads_into_a_fresh_model(tmp_path, root):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    saved = transformers.LlamaForCausalLM(config)
+    saved.save_pretrained(str(tmp_path / "llama"), max_shard_size="20KB")
+    shards = sorted((tmp_path / "llama").glob("model-*.safetensors"))
+    assert len(shards) > 2
+    assert (tmp_path / "llama" / "model.safetensors.index.json").exists()
+    torch.manual_seed(1)
+    fresh = transformers.LlamaForCausalLM(config)
+    load(root, str(tmp_path / "llama"), into=fresh)
+    want, got = saved.state_dict(), fresh.state_dict()
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
+
+
+def test_tied_weights_missing_from_the_file_are_filled_through_their_twin(tmp_path, root):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=64, n_positions=16)
+    torch.manual_seed(0)
+    saved = transformers.GPT2LMHeadModel(config)
+    saved.save_pretrained(str(tmp_path / "gpt2"))
+    torch.manual_seed(1)
+    fresh = transformers.GPT2LMHeadModel(config)
+    load(root, str(tmp_path / "gpt2"), into=fresh)
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight
+    for k, v in saved.state_dict().items():
+        assert torch.equal(v, fresh.state_dict()[k]), k
+
+
+def test_errors_are_checkpoint_errors_and_bad_arguments_are_refused(tmp_path, root):
+    save_file({"w": torch.ones(2)}, str(tmp_path / "t.safetensors"))
+    with pytest.raises(CheckpointError):
+        load(root, str(tmp_path / "t.safetensors"), into={"w": "not a tensor"})
+    with pytest.raises(TypeError):
+        load(root, str(tmp_path / "t.safetensors"), dtype="float32")
+    with pytest.raises(TypeError):
+        load(root, str(tmp_path / "t.safetensors"), rename="w")
+
+
+def test_the_sync_manager_loads_safetensors(tmp_path, root):
+    sd = net_file(tmp_path / "net.safetensors")
+    net = Net()
+    with CheckpointManager(root) as mgr:
+        assert mgr.load_safetensors(str(tmp_path / "net.safetensors"), into=net) is net
+        got = mgr.load_safetensors(str(tmp_path / "net.safetensors"))
+    assert same(snapshot(net), sd)
+    assert same(got, sd)
