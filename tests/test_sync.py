@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import subprocess
 import sys
 import textwrap
@@ -153,3 +154,15 @@ def test_a_full_trainer_state_resumes_in_a_fresh_process_with_the_same_losses(tm
     assert len(whole) == 6
     assert first + rest == whole  # RNGs, scheduler, moments and the tied weight all resumed
     assert resumed_stats == stats  # and the numpy array
+
+
+def test_the_sync_manager_takes_the_async_managers_options():
+    """The options are declared once, by the async manager: the sync one shows the same
+    signature and hands them on, refusing on_sigterm (its loop is not the main thread)."""
+    assert inspect.signature(CheckpointManager) == inspect.signature(AsyncCheckpointManager)
+    with pytest.raises(TypeError, match="on_sigterm"):
+        CheckpointManager("memory://x", on_sigterm="flush")
+    with pytest.raises(TypeError, match="bogus"):
+        CheckpointManager("memory://x", bogus=1)
+    with pytest.raises(ValueError, match="max_pending"):
+        CheckpointManager("memory://x", max_pending=0)

@@ -10,24 +10,40 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import inspect
 import os
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, Concatenate, ParamSpec
 
 import anyio
 from anyio.from_thread import BlockingPortal
 
 from .._core.protocol import CheckpointInfo
 from ..errors import ManagerClosedError
-from ..events import EventHandler, logger
-from ..retention import RetentionPolicy
+from ..events import logger
 from .ledger import SaveHandle
-from .manager import DEFAULT_LEASE_TTL, AsyncCheckpointManager
+from .manager import AsyncCheckpointManager
 
 __all__ = ["CheckpointManager", "SyncSaveHandle"]
+
+P = ParamSpec("P")
+
+
+def same_options_as(
+    of: Callable[Concatenate[Any, P], None],
+) -> Callable[[Callable[..., None]], Callable[Concatenate[Any, P], None]]:
+    """Give the decorated ``__init__`` the parameters of ``of`` (the async manager's), for
+    type checkers and ``help()``: the options are declared once, where they are checked."""
+
+    def give(init: Callable[..., None]) -> Callable[Concatenate[Any, P], None]:
+        init.__signature__ = inspect.signature(of)  # type: ignore[attr-defined]
+        return init
+
+    return give
+
 
 #: Seconds a manager left open waits at interpreter exit for its saves in flight to commit
 #: (``close_timeout`` when set); what is still pending then is left to the daemon.
@@ -129,43 +145,17 @@ class CheckpointManager:
     leaves to the daemon, which commits what was staged once this process is gone.
     """
 
-    def __init__(
-        self,
-        root: str | os.PathLike[str] | None = None,
-        *,
-        storage_options: Mapping[str, Any] | None = None,
-        max_pending: int = 1,
-        staging_memory: int | float | None = None,
-        retention: RetentionPolicy | None = None,
-        event_handlers: Iterable[EventHandler] = (),
-        process_group: Any = None,
-        start_timeout: float = 60.0,
-        close_timeout: float | None = None,
-        dist_timeout: float = 300.0,
-        read_only: bool = False,
-        takeover: bool = False,
-        lease_ttl: float = DEFAULT_LEASE_TTL,
-        dedup: bool = True,
-        skip_unchanged: bool = False,
-        job_id: str | None = None,
-    ) -> None:
-        self._options: dict[str, Any] = {
-            "storage_options": storage_options,
-            "max_pending": max_pending,
-            "staging_memory": staging_memory,
-            "retention": retention,
-            "event_handlers": list(event_handlers),
-            "process_group": process_group,
-            "start_timeout": start_timeout,
-            "close_timeout": close_timeout,
-            "dist_timeout": dist_timeout,
-            "read_only": read_only,
-            "takeover": takeover,
-            "lease_ttl": lease_ttl,
-            "dedup": dedup,
-            "skip_unchanged": skip_unchanged,
-            "job_id": job_id,
-        }
+    @same_options_as(AsyncCheckpointManager.__init__)
+    def __init__(self, root: str | os.PathLike[str] | None = None, **options: Any) -> None:
+        if "on_sigterm" in options:
+            raise TypeError(
+                "CheckpointManager does not take on_sigterm: a signal handler must be "
+                "installed by the main thread, and the manager's loop runs in another (use "
+                "AsyncCheckpointManager for on_sigterm)"
+            )
+        self._options = dict(options)
+        if "event_handlers" in options:
+            self._options["event_handlers"] = list(options["event_handlers"])
         self._root = root
         # Built here too, so bad arguments fail at once, as with the async manager; the one
         # that runs is built on the manager's loop when it opens.
@@ -227,7 +217,7 @@ class CheckpointManager:
         daemon, which finishes what was staged once this process is gone."""
         if self._state != "open" or self._portal is None:
             return
-        timeout = self._options["close_timeout"] or EXIT_TIMEOUT
+        timeout = self._options.get("close_timeout") or EXIT_TIMEOUT
         left = self._portal.call(_settle, self._async, timeout)
         if not left:
             self.close()
