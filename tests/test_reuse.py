@@ -394,7 +394,7 @@ def test_a_load_flatten_gives_the_next_save_its_mappings():
 
 
 async def test_a_save_after_load_into_reuses_the_loads_layout(root, monkeypatch):
-    import aiockpt._trainer.staging as staging
+    import aiockpt._trainer.staging.layouts as staging
 
     state = {"model": make_state()}
     async with AsyncCheckpointManager(root) as mgr:
