@@ -181,7 +181,7 @@ class SaveReq:
     #: order, each sent as a :class:`WindowReady` once copied; ``slab`` is then unused.
     windows: tuple[tuple[int, int], ...] = ()
     #: With ``skip_unchanged``: the slab's copy count with this save's copy (see
-    #: _trainer/staging.py: Slab.gen; 0 without it), and the tensors (indices in
+    #: _trainer/staging/slabs.py: Slab.gen; 0 without it), and the tensors (indices in
     #: ``layout.specs``) this copy left as the previous one put them: the daemon may take
     #: their checksums from that save.
     copy_gen: int = 0
