@@ -22,6 +22,7 @@ _EXPORTS = {
     "EveryNSeconds": ".retention",
     "EveryNSteps": ".retention",
     "LatestN": ".retention",
+    "LocalTier": ".tiers",
     "Event": ".events",
     "JsonLinesHandler": ".events",
     "ScopeTracker": ".events",
@@ -51,6 +52,7 @@ __all__ = [
     "JsonLinesHandler",
     "LatestN",
     "LeaseLostError",
+    "LocalTier",
     "RootLockedError",
     "SaveHandle",
     "ScopeTracker",
@@ -76,6 +78,7 @@ if TYPE_CHECKING:
     )
     from .events import Event, JsonLinesHandler, ScopeTracker
     from .retention import AnyOf, BestN, EveryNSeconds, EveryNSteps, LatestN
+    from .tiers import LocalTier
 
 
 def __getattr__(name: str) -> Any:

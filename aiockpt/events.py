@@ -67,6 +67,10 @@ EVENT_NAMES = frozenset(
         "lease.unguarded",
         "lease.lapsed",
         "lease.regained",
+        "tier.committed",
+        "tier.delete",
+        "tier.failed",
+        "load.tier",
     }
 )
 
@@ -84,7 +88,9 @@ _INFO_EVENTS = frozenset(
     }
 )
 #: Events worth a WARNING: something the user should look at, though nothing failed.
-_WARNING_EVENTS = frozenset({"daemon.restart", "lease.takeover", "lease.unguarded", "lease.lapsed"})
+_WARNING_EVENTS = frozenset(
+    {"daemon.restart", "lease.takeover", "lease.unguarded", "lease.lapsed", "tier.failed"}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +124,8 @@ class Event:
     #: Words for people: on ``lease.takeover``, whose lease was taken over and why; on
     #: ``lease.lapsed``, what failed the renewals.
     detail: str | None = None
+    #: On ``tier.*`` and ``load.tier``: the tier concerned ("local", "peer", "root").
+    tier: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The event as a plain dict of its fields."""
@@ -255,6 +263,7 @@ class EventDispatcher:
         written_nbytes: int | None = None,
         requests: dict[str, int] | None = None,
         copied_nbytes: int | None = None,
+        tier: str | None = None,
     ) -> Event:
         if name not in EVENT_NAMES:
             raise ValueError(f"unknown event name {name!r}")
@@ -288,6 +297,7 @@ class EventDispatcher:
             error=error,
             generation=generation,
             detail=detail,
+            tier=tier,
         )
         self.dispatch(event)
         return event

@@ -138,6 +138,10 @@ class Hello:
     #: The trainer's ``sys.path`` (its working directory for ""), searched by the daemon
     #: after aiockpt's own folder when it unpickles the retention policy.
     sys_path: tuple[str, ...] = ()
+    #: The local tier every save is committed to (an aiockpt.tiers.LocalTier), or None; then
+    #: only steps with ``step % persist_every == 0`` go to the root too (docs/tiers.md).
+    local: Any = None
+    persist_every: int = 1
 
 
 @dataclass(frozen=True, slots=True)

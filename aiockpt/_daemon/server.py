@@ -55,7 +55,7 @@ from .._core.shm import trainer_segments, unlink
 from .._core.storeops import PipeStoreOps
 from ..errors import DaemonStartError
 from ..storage import CountingStorage, Storage, open_storage
-from . import hfread
+from . import hfread, tiers
 from .coord import Coordinator, no_fence
 from .lease import LeaseKeeper
 from .pipe import Outbox, remote_error
@@ -114,7 +114,7 @@ class Daemon:
             )
         policy = cfg.retention if cfg.rank == 0 else None  # decided once, by rank 0
         self.pruner = Pruner(self.catalog, policy, self.in_flight, self.outbox, fence=fence)
-        self.writer = Writer(
+        self.writer: Writer | tiers.TieredWriter = Writer(
             self.catalog,
             cfg,
             slabs=self.slabs,
@@ -126,6 +126,9 @@ class Daemon:
             fence=fence,
         )
         self.reader = Reader(self.catalog, self.slabs, self.pool)
+        #: What steps() and best_step() list: the root, and the local tier where there is one.
+        self.listing: Catalog = self.catalog
+        self.tiers = tiers.attach(self)  # may put a tiered writer and reader in place
         #: Saves, and deletions (after the saves sent before them), for the writer thread.
         self.save_q: queue.Queue[SaveReq | DeleteReq | None] = queue.Queue()
         self.read_q: queue.Queue[ReadReq | None] = queue.Queue()
@@ -150,6 +153,8 @@ class Daemon:
             self.lease.start()
         if self.cfg.collect_partials:
             self.catalog.collect_partials(self.in_flight.snapshot)
+            if self.tiers is not None:
+                self.tiers.collect_partials(self.in_flight.snapshot)
         return grant
 
     # ----------------------------------------------------------------- reads
@@ -193,15 +198,18 @@ class Daemon:
             source.close()
 
     def _steps(self, req: StepsReq) -> tuple[int, ...]:
-        return tuple(self.catalog.committed_steps())
+        return tuple(self.listing.committed_steps())
 
     def _records(self, req: RecordsReq) -> tuple[StepRecord, ...]:
-        return tuple(StepRecord(r.step, r.time, r.metrics) for r in self.catalog.records())
+        return tuple(StepRecord(r.step, r.time, r.metrics) for r in self.listing.records())
 
     def _collect_partials(self, req: CollectPartialsReq) -> tuple[int, ...]:
         if self.lease is not None:
             self.lease.check("remove partial steps")
-        return tuple(self.catalog.collect_partials(self.in_flight.snapshot))
+        removed = self.catalog.collect_partials(self.in_flight.snapshot)
+        if self.tiers is not None:
+            self.tiers.collect_partials(self.in_flight.snapshot)
+        return tuple(removed)
 
     def _delete(self, req: DeleteReq) -> None:
         self.pruner.delete(req.step, req.allow_latest)
@@ -293,6 +301,8 @@ class Daemon:
                 unlink(name)
         self.reader.close()
         self.storage.close()
+        if self.tiers is not None:
+            self.tiers.close()
         if self.store_ops is not None:
             self.store_ops.close()
 

@@ -272,18 +272,10 @@ class Writer:
 
     def _take(self, req: SaveReq) -> tuple[str, Layout]:
         """Update the caches as ``req`` says; its encoded tree and its layout."""
-        if req.layout is not None:
-            self.layouts[req.layout.id] = Layout(req.layout)
-        for i, node in req.fragments.items():
-            self.fragments[i] = fmt.encode_tree(node, {})
+        learn(self, req)
         tree = fmt.encode_tree(req.tree, self.fragments)
         layout = self.layouts[req.layout_id]
-        for i in req.forget_fragments:
-            self.fragments.pop(i, None)
-        for i in req.forget_layouts:
-            self.layouts.pop(i, None)
-        self.slabs.forget(req.forget)
-        self.memory.forget(req.forget)
+        forget(self, req)
         return tree, layout
 
     def _write_shard(
@@ -457,3 +449,28 @@ class Writer:
         self.outbox.event(
             name, req.uuid, req.step, duration_s=duration_s, nbytes=nbytes, where="daemon", **fields
         )
+
+
+def learn(w: Writer, req: SaveReq) -> None:
+    """The layout and fragments ``req`` brings, into ``w``'s caches."""
+    if req.layout is not None:
+        w.layouts[req.layout.id] = Layout(req.layout)
+    for i, node in req.fragments.items():
+        w.fragments[i] = fmt.encode_tree(node, {})
+
+
+def forget(w: Writer, req: SaveReq) -> None:
+    """What ``req`` says no later save names, out of ``w``'s caches."""
+    for i in req.forget_fragments:
+        w.fragments.pop(i, None)
+    for i in req.forget_layouts:
+        w.layouts.pop(i, None)
+    w.slabs.forget(req.forget)
+    w.memory.forget(req.forget)
+
+
+def follow(w: Writer, req: SaveReq) -> None:
+    """Keep ``w``'s caches in step with a save another writer writes (a local tier's, see
+    tiers.py): later saves name the layouts and fragments it brought."""
+    learn(w, req)
+    forget(w, req)

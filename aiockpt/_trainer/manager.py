@@ -38,6 +38,7 @@ from .._core.shm import sweep_orphans
 from ..errors import DaemonError, ManagerClosedError, ReadOnlyError
 from ..events import EventDispatcher, EventHandler, entry_point_handlers, logger, process_group_info
 from ..retention import CheckpointRecord, RetentionPolicy, best_order
+from ..tiers import LocalTier
 from . import checks
 from . import dist as _dist
 from .client import DaemonCallbacks, DaemonClient, SubprocessClient
@@ -86,6 +87,8 @@ class AsyncCheckpointManager(SafetensorsLoading):
         dedup: bool = True,
         skip_unchanged: bool = False,
         job_id: str | None = None,
+        local: LocalTier | None = None,
+        persist_every: int | None = None,
     ) -> None:
         self.url = checks.root_url(root)
         self.storage_options = dict(storage_options or {})
@@ -107,6 +110,7 @@ class AsyncCheckpointManager(SafetensorsLoading):
                 "retention do not apply"
             )
         self.job_id = checks_job_id(job_id)  # (see lease_spec)
+        self.local, self.persist_every = tiers_of(local, persist_every, read_only, staging_memory)
         #: This manager's id in the root's lease: its respawned daemons resume the lease.
         self._owner = uuid.uuid4().hex
         self.process_group = process_group
@@ -176,19 +180,7 @@ class AsyncCheckpointManager(SafetensorsLoading):
         self._tg = await stack.enter_async_context(anyio.create_task_group())
         self._exit_stack = stack
         try:
-            hello = Hello(
-                url=self.url,
-                storage_options=self.storage_options,
-                **retention_fields(self.retention),
-                rank=self.rank,
-                world_size=self.world_size,
-                trainer_pid=os.getpid(),
-                dedup=self.dedup,
-                collect_partials=self._group is None and not self.read_only,
-                dist_timeout=self.dist_timeout if self.world_size > 1 else None,
-                lease=lease_spec(self),
-            )
-            await self._daemons.start(self._tg, self._group, hello)
+            await self._daemons.start(self._tg, self._group, hello_of(self))
             lease_events(self.events, self._daemons.lease, self.url)
             if self.on_sigterm is not None:
                 self._sigterm = SigtermFlush(self._flush)
@@ -362,6 +354,24 @@ class AsyncCheckpointManager(SafetensorsLoading):
         return await self._loader.load(step, into, strict, check_keys(keys), atomic)
 
 
+def hello_of(mgr: AsyncCheckpointManager) -> Hello:
+    """What ``mgr``'s daemons start with."""
+    return Hello(
+        url=mgr.url,
+        storage_options=mgr.storage_options,
+        **retention_fields(mgr.retention),
+        rank=mgr.rank,
+        world_size=mgr.world_size,
+        trainer_pid=os.getpid(),
+        dedup=mgr.dedup,
+        collect_partials=mgr._group is None and not mgr.read_only,
+        dist_timeout=mgr.dist_timeout if mgr.world_size > 1 else None,
+        lease=lease_spec(mgr),
+        local=mgr.local,
+        persist_every=mgr.persist_every,
+    )
+
+
 def retention_fields(policy: Any) -> dict[str, Any]:
     """The Hello fields of a retention policy: pickled apart from the Hello, with this
     process's ``sys.path``, so the daemon imports the policy's module where this process
@@ -370,6 +380,28 @@ def retention_fields(policy: Any) -> dict[str, Any]:
         return {"retention": None}
     path = tuple(os.path.abspath(p or os.curdir) for p in sys.path if isinstance(p, str))
     return {"retention": None, "retention_pickle": pickle.dumps(policy), "sys_path": path}
+
+
+def tiers_of(
+    local: Any, persist_every: Any, read_only: bool, staging_memory: Any
+) -> tuple[LocalTier | None, int]:
+    """``local`` and ``persist_every`` checked (see docs/tiers.md): without a local tier
+    every save goes to the root, so ``persist_every`` is 1 and may not be given."""
+    if local is None:
+        if persist_every is not None:
+            raise ValueError("persist_every needs a local tier: pass local=LocalTier(...)")
+        return None, 1
+    if not isinstance(local, LocalTier):
+        raise TypeError(f"local must be an aiockpt.LocalTier, not {type(local).__name__}")
+    if read_only:
+        raise ValueError("a read_only manager writes no local tier: leave local= out")
+    if staging_memory is not None:
+        raise ValueError(
+            "a local tier writes each save twice from one slab: it cannot be combined with "
+            "staging_memory, which stages a save in windows"
+        )
+    every = 1 if persist_every is None else checks.positive_int("persist_every", persist_every)
+    return local, every
 
 
 def checks_job_id(job_id: str | None) -> str | None:

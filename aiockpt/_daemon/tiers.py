@@ -1,0 +1,265 @@
+"""The daemon's side of a local tier (see docs/tiers.md).
+
+A local tier is an aiockpt root of its own on local disk, written by a second
+:class:`~.writer.Writer` from the same slab: every save is committed there first (its shard,
+then its manifest, last, with the same checksums), and steps with ``step % persist_every ==
+0`` then go to the root by the root's writer, as without a tier. The trainer copies its
+state into the slab once; the daemon writes it once per destination and hands the slab back
+when the last write is durable.
+
+A failure of the local tier never fails a save the root commits: it is a ``tier.failed``
+event. A step due only in the local tier that the local tier could not commit landed
+nowhere: its save fails with a :class:`CheckpointError`.
+
+Loads and listings see both tiers through :class:`TierView`: a step the local tier holds is
+read from it, every other from the root.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from .._core.catalog import Catalog
+from .._core.protocol import EventMsg, Hello, SaveDone, SaveReq, SlabFree
+from ..errors import CheckpointError, StorageError
+from ..retention import LatestN
+from ..storage import Storage
+from ..storage._local import LocalStorage
+from .coord import Coordinator
+from .pipe import Outbox, remote_error
+from .prune import Pruner
+from .reader import Reader
+from .rendezvous import StoreRendezvous
+from .writer import Writer, follow
+
+if TYPE_CHECKING:
+    from .server import Daemon
+
+__all__ = ["LocalOutbox", "TierView", "TieredWriter", "Tiers", "attach", "open_local"]
+
+#: The suffix of a save's uuid in the local tier's commit: its signals in the job's store
+#: never meet the root commit's of the same save.
+LOCAL_UUID = ".local"
+
+#: What the local writer's events become: its commit and its retention, tagged as the tier's.
+_RENAMED = {"save.committed": "tier.committed", "retention.delete": "tier.delete"}
+
+
+def open_local(path: str) -> LocalStorage:
+    """The local tier's storage at ``path``, made if missing and checked writable now, so a
+    tier that cannot be written fails the manager's ``open()`` with a clear error rather
+    than every save later. The ranks of a host share the directory: the probe is per
+    process."""
+    probe = f".probe-{os.getpid()}"
+    try:
+        os.makedirs(path, exist_ok=True)
+        storage = LocalStorage(path)
+        storage.put_atomic(probe, b"")
+        storage.delete(probe)
+    except (OSError, StorageError) as e:
+        raise StorageError(
+            f"the local tier {path} cannot be written: {e}; give LocalTier a directory on a "
+            "local disk this process may write, or leave local= out"
+        ) from None
+    return storage
+
+
+class LocalOutbox(Outbox):
+    """The local writer's outbox: its slab release and its end are kept for the
+    :class:`TieredWriter`, which decides what the trainer hears; its commit and retention
+    events go up renamed (``tier.committed``, ``tier.delete``) under the save's own uuid."""
+
+    def __init__(self, outbox: Outbox) -> None:
+        super().__init__(outbox.pipe)
+        self.outbox = outbox
+        self.done: SaveDone | None = None
+
+    def send(self, msg: object) -> None:
+        if isinstance(msg, SlabFree):
+            return
+        if isinstance(msg, SaveDone):
+            self.done = msg
+            return
+        if isinstance(msg, EventMsg):
+            name = _RENAMED.get(msg.name)
+            if name is not None:
+                uuid = None if msg.uuid is None else msg.uuid.removesuffix(LOCAL_UUID)
+                self.outbox.send(EventMsg(name, uuid, msg.step, {**msg.fields, "tier": "local"}))
+            return
+        self.outbox.send(msg)
+
+
+class TieredWriter:
+    """Commits each save to the local tier, then, when its step is due, to the root."""
+
+    def __init__(
+        self, root: Writer, local: Writer, box: LocalOutbox, persist_every: int, outbox: Outbox
+    ) -> None:
+        self.root = root
+        self.local = local
+        self.box = box
+        self.persist_every = persist_every
+        self.outbox = outbox
+
+    def save(self, req: SaveReq) -> None:
+        """Write and commit ``req`` to each tier it is due in; one :class:`SlabFree` once the
+        last write is durable, then one :class:`SaveDone`, whatever happens."""
+        done = self._local(req)
+        if done.info is None:
+            why = done.error or CheckpointError("the local tier's writer said nothing")
+            self._failed(req, why)
+        elif done.error is not None:  # committed; its retention pass failed
+            self._failed(req, done.error)
+        if req.step % self.persist_every == 0:
+            self.root.save(req)  # frees the slab and ends the save, as without a tier
+            return
+        self._follow(req)
+        self.outbox.send(SlabFree(req.slab))
+        if done.info is None:
+            err = CheckpointError(
+                f"step {req.step} landed nowhere: it is due in the local tier only "
+                f"(persist_every={self.persist_every}) and the local tier failed: {done.error}"
+            )
+            self.outbox.send(SaveDone(req.uuid, error=remote_error(err)))
+            return
+        # A step the root holds too is not gone when the local tier lets it go.
+        deleted = tuple(s for s in done.deleted if s % self.persist_every != 0)
+        self.outbox.send(SaveDone(req.uuid, info=done.info, deleted=deleted))
+
+    def _local(self, req: SaveReq) -> SaveDone:
+        """The local tier's commit of ``req``: its SaveDone, kept from the trainer."""
+        self.box.done = None
+        # The local tier has no lease; its signals are apart from the root commit's.
+        local_req = replace(req, uuid=req.uuid + LOCAL_UUID, lease_generation=None)
+        try:
+            self.local.save(local_req)
+        except BaseException as e:  # never leave the trainer's save without an end
+            return SaveDone(req.uuid, error=e)
+        return self.box.done or SaveDone(req.uuid)
+
+    def _follow(self, req: SaveReq) -> None:
+        """Keep the root writer's caches in step with a save it does not write: later saves
+        name the layouts and fragments this one carried."""
+        follow(self.root, req)
+
+    def _failed(self, req: SaveReq, error: BaseException) -> None:
+        self.outbox.event(
+            "tier.failed",
+            None,
+            req.step,
+            where="daemon",
+            tier="local",
+            detail=f"{type(error).__name__}: {error}",
+        )
+
+
+class TierView:
+    """The local tier and the root as one read-only root, for loads and listings: a file the
+    local tier holds is read from it, any other from the root. Shard files are named by the
+    attempt that wrote them, so a name found in the local tier is that file; a step in both
+    tiers is read through the local tier's manifest, which names the local shards."""
+
+    def __init__(self, local: Storage, root: Storage) -> None:
+        self.local = local
+        self.root = root
+        self.url = root.url
+
+    def tier_of(self, path: str) -> str:
+        """Which tier a read of ``path`` goes to: "local" or "root"."""
+        return "local" if self.local.exists(path) else "root"
+
+    def _pick(self, path: str) -> Storage:
+        return self.local if self.local.exists(path) else self.root
+
+    def read_range(self, path: str, start: int, end: int) -> bytes:
+        return self._pick(path).read_range(path, start, end)
+
+    def readinto(self, path: str, offset: int, out: memoryview) -> None:
+        self._pick(path).readinto(path, offset, out)
+
+    def size(self, path: str) -> int:
+        return self._pick(path).size(path)
+
+    def exists(self, path: str) -> bool:
+        return self.local.exists(path) or self.root.exists(path)
+
+    def list_dir(self, path: str) -> list[str]:
+        return sorted(set(self.local.list_dir(path)) | set(self.root.list_dir(path)))
+
+    def write_file(self, path: str, buffers: Sequence[memoryview]) -> None:
+        raise StorageError("the tiers' view is read-only")
+
+    def put_atomic(self, path: str, data: bytes) -> None:
+        raise StorageError("the tiers' view is read-only")
+
+    def makedirs(self, path: str) -> None:
+        raise StorageError("the tiers' view is read-only")
+
+    def delete(self, path: str, *, recursive: bool = False) -> None:
+        raise StorageError("the tiers' view is read-only")
+
+    def close(self) -> None:
+        """Nothing: the tiers' storages are their owners' to close."""
+
+
+class Tiers:
+    """What a daemon with a local tier holds beyond a plain one."""
+
+    def __init__(self, storage: LocalStorage, catalog: Catalog, writer: Writer) -> None:
+        self.storage = storage
+        self.catalog = catalog
+        self.writer = writer
+
+    def collect_partials(self, busy: Callable[[], Collection[int]]) -> list[int]:
+        """Remove the local tier's partial steps, as the root's are."""
+        return self.catalog.collect_partials(busy)
+
+    def close(self) -> None:
+        self.storage.close()
+
+
+def local_coordinator(d: Daemon, storage: Storage) -> Coordinator | None:
+    """The local tier's multi-rank commit, through the job's store where the root's goes
+    through it (its keys apart, by the uuid's suffix), else through files in the tier."""
+    cfg = d.cfg
+    if cfg.world_size == 1:
+        return None
+    assert cfg.dist_timeout is not None
+    via = None
+    if d.store_ops is not None:
+        via = StoreRendezvous(d.store_ops, storage, cfg.rank, cfg.world_size, cfg.dist_timeout)
+    return Coordinator(storage, cfg.rank, cfg.world_size, cfg.dist_timeout, via=via)
+
+
+def attach(d: Daemon) -> Tiers | None:
+    """Give daemon ``d`` its local tier, when its Hello names one: a writer for the tier
+    under a :class:`TieredWriter`, and loads and listings through a :class:`TierView`."""
+    cfg: Hello = d.cfg
+    tier: Any = cfg.local
+    if tier is None:
+        return None
+    storage = open_local(tier.path)
+    catalog = Catalog(storage)
+    box = LocalOutbox(d.outbox)
+    policy = LatestN(tier.keep) if cfg.rank == 0 else None  # decided once, as the root's
+    pruner = Pruner(catalog, policy, d.in_flight, box)
+    local = Writer(
+        catalog,
+        replace(cfg, dedup=False),  # the local disk is fast: whole shards, no hashing
+        slabs=d.slabs,
+        windows=d.windows,
+        pool=d.pool,
+        coord=local_coordinator(d, storage),
+        pruner=pruner,
+        outbox=box,
+    )
+    root = d.writer
+    assert isinstance(root, Writer)
+    d.writer = TieredWriter(root, local, box, cfg.persist_every, d.outbox)
+    view = Catalog(TierView(storage, d.storage))
+    d.reader = Reader(view, d.slabs, d.pool)
+    d.listing = view
+    return Tiers(storage, catalog, local)

@@ -1,0 +1,78 @@
+"""A local tier: every save committed to a directory on each host, the root less often.
+
+``AsyncCheckpointManager(root, local=LocalTier(path, keep=2), persist_every=10)`` commits
+every save to ``path`` (an aiockpt root of its own on local disk, with the same manifest-last
+rule and checksums as the root) and every 10th step to the root as well. See docs/tiers.md.
+
+Shared, pure code: the trainer checks it, the daemon and the CLI read it; no torch here.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["HOST_ID_ENV", "LocalTier", "host_id"]
+
+#: The environment variable that names this host, where set (tests simulate hosts with it).
+HOST_ID_ENV = "AIOCKPT_HOST_ID"
+
+#: Where Linux keeps the id of the current boot: a host that rebooted is a new host.
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class LocalTier:
+    """A directory on local disk (NVMe, or a tmpfs) on each host where every save lands.
+
+    ``keep``: the committed steps kept there per host (the oldest goes when a save commits,
+    so there are at most ``keep + 1`` right after one). ``replicas``: the ranks on *other*
+    hosts that also hold a copy of each rank's shard (0: none, for one process or one host).
+    The ranks of one host share the directory; an existing empty directory is a new tier.
+    """
+
+    path: str
+    keep: int
+    replicas: int
+
+    def __init__(self, path: str | os.PathLike[str], *, keep: int = 2, replicas: int = 0) -> None:
+        text = os.fspath(path)
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"a local tier's path must be a non-empty path, not {path!r}")
+        if "://" in text:
+            raise ValueError(f"a local tier is a local directory, not a URL: {text!r}")
+        _count("keep", keep, 1)
+        _count("replicas", replicas, 0)
+        object.__setattr__(self, "path", os.path.abspath(text))
+        object.__setattr__(self, "keep", keep)
+        object.__setattr__(self, "replicas", replicas)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_make, (self.path, self.keep, self.replicas))
+
+
+def _make(path: str, keep: int, replicas: int) -> LocalTier:
+    return LocalTier(path, keep=keep, replicas=replicas)
+
+
+def _count(name: str, value: object, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"LocalTier's {name} must be an int of at least {least}, not {value!r}")
+
+
+def host_id() -> str:
+    """This host's identity: ``$AIOCKPT_HOST_ID`` where set, else the hostname and the boot
+    id (a rebooted host is a new one, its tmpfs gone). Never the local rank or world size:
+    those say nothing of which ranks share a disk."""
+    env = os.environ.get(HOST_ID_ENV)
+    if env:
+        return env
+    try:
+        with open(_BOOT_ID) as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    name = socket.gethostname()
+    return f"{name}/{boot}" if boot else name

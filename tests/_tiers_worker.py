@@ -1,0 +1,72 @@
+"""One rank of a local-tier test: ``python _tiers_worker.py SCENARIO RANK WORLD STORE ROOT OUT
+ARGS``. ARGS (JSON) names each rank's host (``hosts``, set as AIOCKPT_HOST_ID) and each
+host's local directory (``local``, by host), and the scenario's own settings."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from _support.ranks import serve_rank
+
+from aiockpt import AsyncCheckpointManager, LatestN, LocalTier
+
+
+def state_for(rank: int, step: int) -> dict:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return {
+        "model": {"w": torch.randn(96, 64, generator=g), "b": torch.randn(64, generator=g)},
+        "step": step,
+        "rank": rank,
+    }
+
+
+def manager(rank: int, root: str, args: dict, events: list | None = None) -> Any:
+    host = args["hosts"][rank]
+    os.environ["AIOCKPT_HOST_ID"] = host
+    keep, replicas = args.get("keep", 2), args.get("replicas", 0)
+    tier = LocalTier(args["local"][host], keep=keep, replicas=replicas)
+    return AsyncCheckpointManager(
+        root,
+        dist_timeout=60,
+        retention=LatestN(args.get("root_keep", 3)),
+        local=tier,
+        persist_every=args.get("persist_every", 5),
+        event_handlers=[] if events is None else [events.append],
+    )
+
+
+async def save(rank: int, world: int, root: str, args: dict) -> dict:
+    events: list = []
+    async with manager(rank, root, args, events) as mgr:
+        for step in range(1, args.get("last", 7) + 1):
+            await (await mgr.save(step, state_for(rank, step)))
+        steps = await mgr.steps()
+    return {"steps": steps, "events": [e.name for e in events if e.name.startswith("tier.")]}
+
+
+async def resume(rank: int, world: int, root: str, args: dict) -> dict:
+    events: list = []
+    async with manager(rank, root, args, events) as mgr:
+        latest = await mgr.latest_step()
+        target = state_for(rank, 0)
+        await mgr.load(into=target)
+        want = state_for(rank, target["step"])
+        exact = all(torch.equal(target["model"][k], want["model"][k]) for k in ("w", "b"))
+        plain = await mgr.load()
+        exact = exact and torch.equal(plain["model"]["w"], want["model"]["w"])
+        tiers = [e.tier for e in events if e.name == "load.tier"]
+    return {
+        "latest": latest,
+        "step": target["step"],
+        "rank": target["rank"],
+        "exact": exact,
+        "tiers": tiers,
+    }
+
+
+SCENARIOS = {"save": save, "resume": resume}
+
+if __name__ == "__main__":
+    serve_rank(SCENARIOS)

@@ -1,0 +1,189 @@
+"""A local tier on one process: every save committed there, every persist_every-th step in the
+root too, keep honoured, the newest complete step loaded from either, and a tier that cannot
+be written refused at open() with a clear error (see docs/tiers.md)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from _support.ranks import run_ranks
+
+from aiockpt import AsyncCheckpointManager, CheckpointManager, LatestN, LocalTier
+from aiockpt._core.catalog import Catalog
+from aiockpt._core.format import step_dirname
+from aiockpt.errors import CheckpointError
+from aiockpt.storage import open_storage
+
+pytestmark = pytest.mark.anyio
+
+
+def state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(64, 32, generator=g), "b": torch.arange(step, step + 7), "step": step}
+
+
+def committed(path: str | Path) -> list[int]:
+    storage = open_storage(str(path))
+    try:
+        return Catalog(storage).committed_steps()
+    finally:
+        storage.close()
+
+
+def same(a: dict, b: dict) -> bool:
+    return a["step"] == b["step"] and all(torch.equal(a[k], b[k]) for k in ("w", "b"))
+
+
+def test_local_tier_checks_its_options(tmp_path):
+    tier = LocalTier(tmp_path / "t", keep=3, replicas=1)
+    assert (tier.path, tier.keep, tier.replicas) == (str(tmp_path / "t"), 3, 1)
+    assert pickle.loads(pickle.dumps(tier)) == tier
+    for bad in ({"keep": 0}, {"replicas": -1}, {"keep": True}):
+        with pytest.raises(ValueError, match="LocalTier's"):
+            LocalTier(tmp_path, **bad)
+    with pytest.raises(ValueError, match="not a URL"):
+        LocalTier("s3://bucket/x")
+    with pytest.raises(TypeError):
+        LocalTier(tmp_path, 2)  # type: ignore[misc]  # keywords only
+    with pytest.raises(ValueError, match="needs a local tier"):
+        AsyncCheckpointManager(tmp_path / "root", persist_every=5)
+    with pytest.raises(ValueError, match="staging_memory"):
+        AsyncCheckpointManager(tmp_path / "root", local=tier, staging_memory=1 << 20)
+    with pytest.raises(ValueError, match="persist_every"):
+        AsyncCheckpointManager(tmp_path / "root", local=tier, persist_every=0)
+
+
+async def test_one_process_saves_locally_and_persists_every_nth(tmp_path):
+    root, local = tmp_path / "root", tmp_path / "local"
+    tier = LocalTier(local, keep=2)
+    events = []
+    async with AsyncCheckpointManager(
+        root, local=tier, persist_every=5, retention=LatestN(3), event_handlers=[events.append]
+    ) as mgr:
+        for step in range(1, 8):
+            info = await (await mgr.save(step, state(step)))
+            assert info.step == step
+        assert await mgr.steps() == [5, 6, 7]  # the local tier's two, and the root's one
+        assert await mgr.latest_step() == 7
+        got = await mgr.load()
+        assert same(got, state(7))
+    assert committed(local) == [6, 7]
+    assert committed(root) == [5]
+    names = [e.name for e in events]
+    assert names.count("tier.committed") == 7
+    assert {e.tier for e in events if e.name.startswith("tier.")} == {"local"}
+    assert names.count("tier.delete") == 5
+    assert "tier.failed" not in names
+
+    # Relaunched with the tier: step 7 comes back bit-exact, into a state in place too.
+    async with AsyncCheckpointManager(root, local=tier, persist_every=5) as mgr:
+        assert await mgr.latest_step() == 7
+        target = state(0)
+        await mgr.load(into=target)
+        assert same(target, state(7))
+        assert same(await mgr.load(6), state(6))
+        assert same(await mgr.load(5), state(5))  # from the root
+    # The root alone sees only what was persisted.
+    async with AsyncCheckpointManager(root) as mgr:
+        assert await mgr.steps() == [5]
+        assert same(await mgr.load(), state(5))
+
+
+async def test_the_tier_never_holds_more_than_keep(tmp_path):
+    local = tmp_path / "local"
+    async with AsyncCheckpointManager(
+        tmp_path / "root", local=LocalTier(local, keep=3), persist_every=100
+    ) as mgr:
+        for step in range(1, 12):
+            await (await mgr.save(step, state(step)))
+            assert len(committed(local)) <= 3
+            assert committed(local)[-1] == step
+    assert committed(local) == [9, 10, 11]
+    assert committed(tmp_path / "root") == []
+
+
+async def test_wiped_tier_resumes_from_the_root(tmp_path):
+    root, local = tmp_path / "root", tmp_path / "local"
+    tier = LocalTier(local, keep=2)
+    async with AsyncCheckpointManager(root, local=tier, persist_every=5) as mgr:
+        for step in range(1, 8):
+            await (await mgr.save(step, state(step)))
+    for name in os.listdir(local):
+        os.system(f"rm -rf {local / name}")
+    async with AsyncCheckpointManager(root, local=tier, persist_every=5) as mgr:
+        assert await mgr.latest_step() == 5
+        assert same(await mgr.load(), state(5))
+        await (await mgr.save(6, state(6)))  # saving goes on from there
+        assert await mgr.steps() == [5, 6]
+
+
+async def test_an_unwritable_tier_fails_open_clearly(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    mgr = AsyncCheckpointManager(tmp_path / "root", local=LocalTier(blocker / "tier"))
+    with pytest.raises(CheckpointError, match="local tier .* cannot be written"):
+        await mgr.open()
+    await mgr.aclose()
+    # Nothing reached the root, and a manager without the tier opens on it as before.
+    async with AsyncCheckpointManager(tmp_path / "root") as plain:
+        assert await plain.steps() == []
+
+
+async def test_a_tier_failure_mid_run_is_an_event_and_local_only_steps_raise(tmp_path):
+    root, local = tmp_path / "root", tmp_path / "local"
+    events = []
+    async with AsyncCheckpointManager(
+        root, local=LocalTier(local), persist_every=2, event_handlers=[events.append]
+    ) as mgr:
+        await (await mgr.save(1, state(1)))
+        for step in (3, 4):  # the tier cannot make these steps' directories
+            (local / step_dirname(step)).write_text("in the way")
+        with pytest.raises(CheckpointError, match="landed nowhere"):
+            await (await mgr.save(3, state(3)))
+        info = await (await mgr.save(4, state(4)))  # due in the root: it commits there
+        assert info.step == 4
+        assert await mgr.steps() == [1, 4]
+    failed = [e for e in events if e.name == "tier.failed"]
+    assert [e.step for e in failed] == [3, 4]
+    assert all(e.tier == "local" and e.detail for e in failed)
+    assert committed(root) == [4]
+
+
+def test_the_sync_manager_takes_the_tier(tmp_path):
+    with CheckpointManager(
+        tmp_path / "root", local=LocalTier(tmp_path / "local", keep=1), persist_every=2
+    ) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state(step)).result()
+        assert mgr.steps() == [2, 3]
+        assert same(mgr.load(), state(3))
+    assert committed(tmp_path / "local") == [3]
+
+
+def run_tiers(scenario: str, world: int, tmp_path: Path, root: str, args: dict) -> list[dict]:
+    """Each launch a job of its own: its own store file, as a relaunch has."""
+    run = tmp_path / f"run{len(list(tmp_path.glob('run*')))}"
+    run.mkdir()
+    return run_ranks("_tiers_worker.py", scenario, world, run, root, args=args)
+
+
+def test_two_ranks_share_one_hosts_tier(tmp_path):
+    root = str(tmp_path / "root")
+    args = {"hosts": ["a", "a"], "local": {"a": str(tmp_path / "a")}, "persist_every": 5}
+    saved = run_tiers("save", 2, tmp_path, root, args)
+    assert [r["steps"] for r in saved] == [[5, 6, 7]] * 2
+    assert saved[0]["events"].count("tier.committed") == 7
+    assert committed(tmp_path / "a") == [6, 7]
+    assert committed(root) == [5]
+    resumed = run_tiers("resume", 2, tmp_path, root, args)
+    assert [(r["latest"], r["step"], r["rank"], r["exact"]) for r in resumed] == [
+        (7, 7, 0, True),
+        (7, 7, 1, True),
+    ]
+    os.system(f"rm -rf {tmp_path / 'a'}")
+    resumed = run_tiers("resume", 2, tmp_path, root, args)
+    assert [(r["latest"], r["step"], r["exact"]) for r in resumed] == [(5, 5, True)] * 2
