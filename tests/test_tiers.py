@@ -52,9 +52,11 @@ def test_local_tier_checks_its_options(tmp_path):
     with pytest.raises(ValueError, match="needs a local tier"):
         AsyncCheckpointManager(tmp_path / "root", persist_every=5)
     with pytest.raises(ValueError, match="staging_memory"):
-        AsyncCheckpointManager(tmp_path / "root", local=tier, staging_memory=1 << 20)
+        AsyncCheckpointManager(tmp_path / "root", local=LocalTier(tmp_path), staging_memory=1 << 20)
     with pytest.raises(ValueError, match="persist_every"):
-        AsyncCheckpointManager(tmp_path / "root", local=tier, persist_every=0)
+        AsyncCheckpointManager(tmp_path / "root", local=LocalTier(tmp_path), persist_every=0)
+    with pytest.raises(ValueError, match="not available yet"):
+        AsyncCheckpointManager(tmp_path / "root", local=tier)
 
 
 async def test_one_process_saves_locally_and_persists_every_nth(tmp_path):
@@ -187,3 +189,47 @@ def test_two_ranks_share_one_hosts_tier(tmp_path):
     os.system(f"rm -rf {tmp_path / 'a'}")
     resumed = run_tiers("resume", 2, tmp_path, root, args)
     assert [(r["latest"], r["step"], r["exact"]) for r in resumed] == [(5, 5, True)] * 2
+
+
+def two_hosts(tmp_path: Path, hosts: tuple[str, str] = ("a", "b")) -> dict:
+    """4 ranks as 2 simulated hosts, each host's tier its own directory."""
+    a, b = hosts
+    local = {h: str(tmp_path / f"local-{h}") for h in hosts}
+    return {"hosts": [a, a, b, b], "local": local, "persist_every": 5}
+
+
+def test_two_hosts_resume_from_their_own_tiers(tmp_path):
+    root = str(tmp_path / "root")
+    args = two_hosts(tmp_path)
+    saved = run_tiers("save", 4, tmp_path, root, args)
+    assert [r["steps"] for r in saved] == [[5, 6, 7]] * 4
+    assert committed(root) == [5]
+    for host, ranks in (("a", {0, 1}), ("b", {2, 3})):
+        assert committed(tmp_path / f"local-{host}") == [6, 7]
+        files = os.listdir(tmp_path / f"local-{host}" / step_dirname(7))
+        assert {int(f[7:12]) for f in files if f.startswith("shard_r")} == ranks
+    resumed = run_tiers("resume", 4, tmp_path, root, args)
+    assert [(r["latest"], r["step"], r["rank"], r["exact"]) for r in resumed] == [
+        (7, 7, rank, True) for rank in range(4)
+    ]
+
+
+def test_a_host_lost_without_replicas_resumes_from_the_root(tmp_path):
+    root = str(tmp_path / "root")
+    args = two_hosts(tmp_path)
+    run_tiers("save", 4, tmp_path, root, args)
+    # Host b is replaced by a fresh host c with an empty tier: step 7's shards of ranks 2
+    # and 3 are nowhere, so the newest step every rank can load is the root's 5.
+    fresh = two_hosts(tmp_path, ("a", "c"))
+    resumed = run_tiers("resume", 4, tmp_path, root, fresh)
+    assert [(r["latest"], r["step"], r["exact"]) for r in resumed] == [(5, 5, True)] * 4
+
+
+def test_both_tiers_wiped_resume_from_the_root(tmp_path):
+    root = str(tmp_path / "root")
+    args = two_hosts(tmp_path)
+    run_tiers("save", 4, tmp_path, root, args)
+    for host in ("a", "b"):
+        os.system(f"rm -rf {tmp_path / f'local-{host}'}")
+    resumed = run_tiers("resume", 4, tmp_path, root, args)
+    assert [(r["latest"], r["step"], r["exact"]) for r in resumed] == [(5, 5, True)] * 4

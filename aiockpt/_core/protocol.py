@@ -142,6 +142,8 @@ class Hello:
     #: only steps with ``step % persist_every == 0`` go to the root too (docs/tiers.md).
     local: Any = None
     persist_every: int = 1
+    #: With a local tier on several ranks: each rank's host (aiockpt.tiers.host_id), by rank.
+    hosts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

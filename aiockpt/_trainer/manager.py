@@ -38,7 +38,7 @@ from .._core.shm import sweep_orphans
 from ..errors import DaemonError, ManagerClosedError, ReadOnlyError
 from ..events import EventDispatcher, EventHandler, entry_point_handlers, logger, process_group_info
 from ..retention import CheckpointRecord, RetentionPolicy, best_order
-from ..tiers import LocalTier
+from ..tiers import LocalTier, host_id
 from . import checks
 from . import dist as _dist
 from .client import DaemonCallbacks, DaemonClient, SubprocessClient
@@ -114,6 +114,7 @@ class AsyncCheckpointManager(SafetensorsLoading):
         #: This manager's id in the root's lease: its respawned daemons resume the lease.
         self._owner = uuid.uuid4().hex
         self.process_group = process_group
+        self._hosts: tuple[str, ...] = ()
         self._group: _dist.Group | None = None
         self.rank = 0
         self.world_size = 1
@@ -166,6 +167,8 @@ class AsyncCheckpointManager(SafetensorsLoading):
         self._group = self._loader.group = resolve_group(self.process_group, self.dist_timeout)
         if self._group is not None:
             self.rank, self.world_size = self._group.rank, self._group.world_size
+            if self.local is not None:  # which ranks share a local tier
+                self._hosts = tuple(self._group.all_gather(host_id(), "the hosts' exchange"))
         self.events = EventDispatcher(
             [*self._handlers, *entry_point_handlers()],
             rank=self.rank,
@@ -311,9 +314,11 @@ class AsyncCheckpointManager(SafetensorsLoading):
         await self._ledger.wait()
 
     async def steps(self) -> list[int]:
-        """Committed steps, ascending."""
+        """Committed steps, ascending. With a local tier on several ranks, those whose every
+        shard is available (a collective then: every rank calls it)."""
         self._check_open()
-        return list(await (await self._daemons.live()).request(StepsReq))
+        steps = list(await (await self._daemons.live()).request(StepsReq))
+        return agreed_steps(self._group, steps) if self._hosts else steps
 
     async def latest_step(self) -> int | None:
         """The newest committed step, None when there is none."""
@@ -351,7 +356,18 @@ class AsyncCheckpointManager(SafetensorsLoading):
         for name, flag in (("strict", strict), ("atomic", atomic)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, not {type(flag).__name__}")
+        if step is None and self._hosts:  # the newest step complete on every rank
+            step = await self.latest_step()
         return await self._loader.load(step, into, strict, check_keys(keys), atomic)
+
+
+def agreed_steps(group: _dist.Group | None, steps: list[int]) -> list[int]:
+    """The steps every rank of ``group`` can load: with a local tier, a rank lists the steps
+    whose manifest and whose own shard it can read, which differ from host to host."""
+    if group is None:
+        return steps
+    told = group.all_gather(steps, "the steps' agreement")
+    return sorted(set.intersection(*(set(s) for s in told)))
 
 
 def hello_of(mgr: AsyncCheckpointManager) -> Hello:
@@ -369,6 +385,7 @@ def hello_of(mgr: AsyncCheckpointManager) -> Hello:
         lease=lease_spec(mgr),
         local=mgr.local,
         persist_every=mgr.persist_every,
+        hosts=mgr._hosts,
     )
 
 
@@ -395,6 +412,11 @@ def tiers_of(
         raise TypeError(f"local must be an aiockpt.LocalTier, not {type(local).__name__}")
     if read_only:
         raise ValueError("a read_only manager writes no local tier: leave local= out")
+    if local.replicas:
+        raise ValueError(
+            "LocalTier(replicas=...) above 0 is not available yet: each host's tier holds the "
+            "shards written there, and a lost host's steps load from the root"
+        )
     if staging_memory is not None:
         raise ValueError(
             "a local tier writes each save twice from one slab: it cannot be combined with "
