@@ -353,3 +353,28 @@ def test_strided_cast_and_contiguous_targets_are_filled_together(tmp_path, root)
     for k, v in want.items():
         assert torch.equal(target[k], v.float()), k
         assert target[k]._version > versions[k], k  # autograd sees every write
+
+
+def test_an_import_is_recorded_as_load_events(tmp_path, root):
+    """load.start and load.end (with the bytes read, and the source in ``detail``), or
+    load.exception with the error, each under one uuid."""
+    save_file(tensors(), str(tmp_path / "m.safetensors"))
+    events = []
+
+    async def main():
+        async with AsyncCheckpointManager(root, event_handlers=[events.append]) as mgr:
+            await mgr.load_safetensors(str(tmp_path / "m.safetensors"))
+            with pytest.raises(LoadMismatchError):  # names the file's tensors it lacks
+                await mgr.load_safetensors(str(tmp_path / "m.safetensors"), into={})
+
+    anyio.run(main)
+    loads = [e for e in events if e.name.startswith("load.")]
+    assert [e.name for e in loads] == ["load.start", "load.end", "load.start", "load.exception"]
+    start, end, again, failed = loads
+    assert start.uuid == end.uuid != again.uuid == failed.uuid
+    assert end.read_nbytes > 0
+    assert end.nbytes > 0
+    assert end.duration_s is not None
+    assert all(e.detail and e.detail.endswith("m.safetensors") for e in loads)
+    assert failed.error is not None
+    assert failed.error["type"] == "aiockpt.errors.LoadMismatchError"

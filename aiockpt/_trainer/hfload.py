@@ -19,6 +19,8 @@ import contextlib
 import ctypes
 import mmap
 import os
+import time
+import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -193,6 +195,8 @@ async def load_safetensors(
     """See AsyncCheckpointManager.load_safetensors; ``mgr`` is the open manager."""
     check_args(rename, dtype)
     url, options = source_url(source, mgr.url, mgr.storage_options)
+    op, t0 = uuid.uuid4().hex, time.monotonic()
+    mgr._emit("load.start", uuid=op, step=None, detail=url)
     agreement = _dist.LoadAgreement(mgr._loader.group, None)
     try:
         client: Any = await mgr._daemons.live()
@@ -220,11 +224,24 @@ async def load_safetensors(
             result = into
         agreement.restored(0)
     except Exception as e:
+        raised: BaseException = e
         try:
             agreement.failed(e)  # the other ranks learn of it, and raise too
         except Exception as told:
-            raise told from e
-        raise
+            raised = told
+        mgr._emit("load.exception", uuid=op, step=None, error=raised, detail=url)
+        if raised is e:
+            raise
+        raise raised from e
+    mgr._emit(
+        "load.end",
+        uuid=op,
+        step=None,
+        duration_s=time.monotonic() - t0,
+        nbytes=reply.nbytes,
+        read_nbytes=reply.read_nbytes,
+        detail=url,
+    )
     return result
 
 
