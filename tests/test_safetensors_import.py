@@ -314,3 +314,67 @@ def test_the_sync_manager_loads_safetensors(tmp_path, root):
         got = mgr.load_safetensors(str(tmp_path / "net.safetensors"))
     assert same(snapshot(net), sd)
     assert same(got, sd)
+
+
+def big_tensors() -> dict[str, torch.Tensor]:
+    """Tensors over the 8 MiB pieces both sides read in, at offsets not page-aligned."""
+    g = torch.Generator().manual_seed(3)
+    return {
+        "a.bias": torch.randn(7, generator=g),  # puts what follows off the page boundary
+        "b.weight": torch.randn(2600, 1000, generator=g),  # 10.4 MB: two pieces and a bit
+        "c.weight": torch.randn(1100, 2000, generator=g).to(torch.bfloat16),
+        "d.weight": torch.randn(300, 7, generator=g, dtype=torch.float64),
+    }
+
+
+def test_large_tensors_read_in_pieces_round_trip_and_outlive_the_manager(tmp_path, root):
+    import gc
+
+    want = big_tensors()
+    save_file(want, str(tmp_path / "m.safetensors"))
+    got = load(root, str(tmp_path / "m.safetensors"))  # the manager is closed on return
+    gc.collect()
+    assert same(got, want)
+    got["b.weight"].add_(1)  # the views are writable memory of their own
+    assert torch.equal(got["b.weight"], want["b.weight"] + 1)
+
+
+def test_strided_cast_and_contiguous_targets_are_filled_together(tmp_path, root):
+    want = big_tensors()
+    save_file(want, str(tmp_path / "m.safetensors"))
+    target = {
+        "a.bias": torch.zeros(7),
+        "b.weight": torch.zeros(1000, 2600).t(),  # strided: copied from a mapping
+        "c.weight": torch.zeros(1100, 2000),  # bf16 file, fp32 target: cast
+        "d.weight": torch.zeros(300, 7),  # float64 file: cast
+    }
+    versions = {k: v._version for k, v in target.items()}
+    load(root, str(tmp_path / "m.safetensors"), into=target, dtype=torch.float32)
+    for k, v in want.items():
+        assert torch.equal(target[k], v.float()), k
+        assert target[k]._version > versions[k], k  # autograd sees every write
+
+
+def test_an_import_is_recorded_as_load_events(tmp_path, root):
+    """load.start and load.end (with the bytes read, and the source in ``detail``), or
+    load.exception with the error, each under one uuid."""
+    save_file(tensors(), str(tmp_path / "m.safetensors"))
+    events = []
+
+    async def main():
+        async with AsyncCheckpointManager(root, event_handlers=[events.append]) as mgr:
+            await mgr.load_safetensors(str(tmp_path / "m.safetensors"))
+            with pytest.raises(LoadMismatchError):  # names the file's tensors it lacks
+                await mgr.load_safetensors(str(tmp_path / "m.safetensors"), into={})
+
+    anyio.run(main)
+    loads = [e for e in events if e.name.startswith("load.")]
+    assert [e.name for e in loads] == ["load.start", "load.end", "load.start", "load.exception"]
+    start, end, again, failed = loads
+    assert start.uuid == end.uuid != again.uuid == failed.uuid
+    assert end.read_nbytes > 0
+    assert end.nbytes > 0
+    assert end.duration_s is not None
+    assert all(e.detail and e.detail.endswith("m.safetensors") for e in loads)
+    assert failed.error is not None
+    assert failed.error["type"] == "aiockpt.errors.LoadMismatchError"

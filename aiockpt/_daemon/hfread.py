@@ -14,18 +14,23 @@ Safetensors files carry no checksums: sizes and offsets are what is verified.
 
 from __future__ import annotations
 
+import _posixshmem
+import contextlib
+import errno
 import math
+import mmap
+import os
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, NamedTuple
 
 from .._core import hfformat as hf
+from .._core import shm
 from .._core.chunks import Chunk, read_plan
 from .._core.dtable import ChunkRecord
 from .._core.dtypes import DTYPE_SIZES
 from .._core.protocol import LoadReply, SafetensorsInfo, TensorAt
-from .._core.shm import Segment
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StagingMemoryError
 from ..storage import Storage, open_storage
 from .reshard import OUT_ALIGN, Assembler
 
@@ -33,8 +38,11 @@ __all__ = ["Source", "describe", "read"]
 
 #: The first read of a header: enough for a few hundred tensors.
 HEAD_PEEK = 64 * 1024
-#: Runs are read this much at a time.
-READ_PIECE = 64 * 1024 * 1024
+#: Runs are read this much at a time, READERS pieces at once.
+READ_PIECE = 8 * 1024 * 1024
+READERS = 4
+#: madvise(2)'s MADV_POPULATE_WRITE (Linux 5.14), which the mmap module may not name.
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 #: A run of this many bytes or more is placed so that its file offsets and its place in the
 #: segment agree modulo the page size: local storage then reads it past the page cache.
 DIRECT_MIN = 1 << 20
@@ -198,18 +206,6 @@ def place_boxes(
     return out_at, pos
 
 
-def read_pieces(storage: Storage) -> Callable[[str, int, memoryview], None]:
-    """``storage.readinto`` cut as :func:`pieces` cuts a run, so that what lies on pages in
-    both the file and the segment is read past the page cache."""
-
-    def read(file: str, offset: int, out: memoryview) -> None:
-        for a, b in pieces(offset, offset + len(out)):
-            with out[a - offset : b - offset] as view:
-                storage.readinto(file, a, view)
-
-    return read
-
-
 def pieces(lo: int, hi: int) -> Iterator[tuple[int, int]]:
     """[lo, hi) cut at the first page boundary of the file, then every READ_PIECE bytes."""
     first = min(hi, (lo + PAGE - 1) // PAGE * PAGE)
@@ -240,7 +236,7 @@ def read(
             tensors[name] = (dtype, shape, run.base + start - run.lo)
     for name, dtype, box in boxes:
         tensors[name] = (dtype, box.sizes, out_at[name])
-    seg = Segment.create(size, kind="load", populate=False)
+    seg = FreshSegment(size)
     segments.add(seg.name)
     try:
         nread = _fill(source, runs, parts, boxes, out_at, seg, pool)
@@ -272,26 +268,111 @@ def _fill(
     parts: list[ReadItem],
     boxes: list[tuple[str, str, Chunk]],
     out_at: dict[str, int],
-    seg: Segment,
+    seg: FreshSegment,
     pool: ThreadPoolExecutor,
 ) -> int:
-    """Read the runs and assemble the boxes into ``seg``; the bytes read."""
+    """Read the runs and the boxes into ``seg``; the bytes read. Every byte range that lands
+    in one place (a run's pieces, a dim-0 box's) is one job; the jobs run READERS at a time,
+    each making its part of the segment first (:meth:`FreshSegment.make`), so that one
+    thread's pages are made while another's are read. A box of several runs (a later dim
+    split) is assembled after, as the resharding reads do."""
     storage = source.storage
-    nread = 0
+    jobs: list[tuple[str, int, int, int]] = []  # (file, file offset, segment offset, length)
     for run in runs:
-        for a, b in pieces(run.lo, run.hi):
-            at = run.base + a - run.lo
-            with seg.buf[at : at + b - a] as out:
-                storage.readinto(run.file, a, out)
-        nread += run.hi - run.lo
+        jobs += [(run.file, a, run.base + a - run.lo, b - a) for a, b in pieces(run.lo, run.hi)]
+    scattered = []
+    for item, (name, dtype, box) in zip(parts, boxes, strict=True):
+        _, file, _, shape, start, _ = item
+        itemsize = DTYPE_SIZES[dtype]
+        plan = read_plan(Chunk((0,) * len(shape), tuple(shape)), box, itemsize) if box.numel else []
+        if len(plan) == 1:
+            lo, at = start + plan[0].src_start, out_at[name] + plan[0].dst_offset
+            n = plan[0].src_end - plan[0].src_start
+            jobs += [(file, a, at + a - lo, b - a) for a, b in pieces(lo, lo + n)]
+        elif plan:
+            scattered.append((item, box))
 
-    assembler = Assembler(read_pieces(storage), pool, 1, source.where, checked=False)
-    for (name, file, dtype, shape, start, _), (_, _, box) in zip(parts, boxes, strict=True):
-        if not box.numel:
-            continue
-        end = start + math.prod(shape) * DTYPE_SIZES[dtype]
-        whole = ChunkRecord(Chunk((0,) * len(shape), tuple(shape)), file, start, end, 0, ())
-        n = box.numel * DTYPE_SIZES[dtype]
-        with seg.buf[out_at[name] : out_at[name] + n] as out:
-            assembler.fill(_Whole(name, dtype, whole), box, out)
+    def job(file: str, offset: int, at: int, n: int) -> None:
+        seg.make(at, n)
+        with seg.buf[at : at + n] as out:
+            storage.readinto(file, offset, out)
+
+    with ThreadPoolExecutor(READERS, thread_name_prefix="aiockpt-hf-read") as readers:
+        futures = [readers.submit(job, *j) for j in sorted(jobs, key=lambda j: j[2])]
+        wait(futures)
+        for f in futures:
+            f.result()  # the first failure, once none is still reading
+        nread = sum(j[3] for j in jobs)
+        assembler = Assembler(read_pieces(storage), pool, 1, source.where, checked=False)
+        for (name, file, dtype, shape, start, _), box in scattered:
+            end = start + math.prod(shape) * DTYPE_SIZES[dtype]
+            whole = ChunkRecord(Chunk((0,) * len(shape), tuple(shape)), file, start, end, 0, ())
+            n = box.numel * DTYPE_SIZES[dtype]
+            seg.make(out_at[name], n)
+            with seg.buf[out_at[name] : out_at[name] + n] as out:
+                assembler.fill(_Whole(name, dtype, whole), box, out)
     return nread + assembler.read_bytes
+
+
+def read_pieces(storage: Storage) -> Callable[[str, int, memoryview], None]:
+    """``storage.readinto`` cut as :func:`pieces` cuts a run, so that what lies on pages in
+    both the file and the segment is read past the page cache."""
+
+    def read(file: str, offset: int, out: memoryview) -> None:
+        for a, b in pieces(offset, offset + len(out)):
+            with out[a - offset : b - offset] as view:
+                storage.readinto(file, a, view)
+
+    return read
+
+
+class FreshSegment:
+    """A new shared-memory segment whose pages are made a part at a time, as it is read.
+
+    A new segment's pages cost more than the reads into them on a busy or virtualised
+    host: allocating and zeroing them (``fallocate``), then, at the first write through the
+    mapping, a fault per 4 KiB page (a read past the page cache pins them for writing). Made
+    whole before the reads (``shm.Segment.create``), that cost adds to the reads'; made
+    piece by piece by the threads that read (:meth:`make`: ``fallocate`` of the range, then
+    ``MADV_POPULATE_WRITE``, which maps it in one call instead of a fault a page), it
+    overlaps them. A /dev/shm too small is still a StagingMemoryError before any of the
+    piece's bytes are read."""
+
+    def __init__(self, size: int) -> None:
+        self.name = shm.new_name("load")
+        self.size = size
+        fd = _posixshmem.shm_open(self.name, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode=0o600)
+        try:
+            os.ftruncate(fd, max(size, 1))
+            self.mm = mmap.mmap(fd, max(size, 1), flags=mmap.MAP_SHARED)
+        except BaseException:
+            os.close(fd)
+            shm.unlink(self.name)
+            raise
+        self.fd: int | None = fd
+        self.buf = memoryview(self.mm)
+
+    def make(self, at: int, n: int) -> None:
+        """Allocate and map bytes [at, at + n) (whole pages around them)."""
+        if n <= 0 or self.fd is None:
+            return
+        lo, hi = at // PAGE * PAGE, min(self.size, at + n)
+        try:
+            os.posix_fallocate(self.fd, lo, hi - lo)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.ENOMEM):
+                raise
+            raise StagingMemoryError(shm._short_of(self.size, "load")) from e
+        with contextlib.suppress(OSError, ValueError):  # before Linux 5.14: faults instead
+            self.mm.madvise(MADV_POPULATE_WRITE, lo, hi - lo)
+
+    def close(self) -> None:
+        """Unmap, and close the descriptor (again is a no-op)."""
+        self.buf.release()
+        self.mm.close()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def unlink(self) -> None:
+        shm.unlink(self.name)

@@ -5,16 +5,24 @@ The daemon reads and checks the source's headers (``SafetensorsReq`` without ``r
 side matches the file's names (after ``rename``) against the target, checks every shape and
 dtype, and says per tensor what to read: the whole of it, or, for a DTensor, the box of the
 global tensor this rank holds (``dtensor.check_placements``). The daemon reads only those
-byte ranges into a new segment (``_daemon/hfread.py``); the tensors are then copied into the
-targets, none of which changed before every check passed and every byte was read. Under a
+byte ranges into a new segment (``_daemon/hfread.py``); the tensors are then read from it into
+the targets (:class:`Opened`), none of which changed before every check passed and every byte
+was read. Under a
 process group the ranks agree before anything is copied (``dist.LoadAgreement``), so what
 fails on one rank fails on all.
 """
 
 from __future__ import annotations
 
+import _posixshmem
+import contextlib
+import ctypes
+import mmap
 import os
+import time
+import uuid
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anyio
@@ -24,13 +32,16 @@ from .._core.protocol import LoadReply, SafetensorsInfo, SafetensorsReq
 from ..errors import LoadMismatchError, SavedKeyNotFoundError, UnsupportedValueError
 from ..storage._registry import split_protocol
 from . import dist as _dist
-from .loading import map_loaded
+from .loading import map_loaded, views
 from .staging import copy_pairs
 from .state import ST_TO_TORCH, _dtensor_type
 
 __all__ = ["SafetensorsLoading", "load_safetensors"]
 
 Rename = Callable[[str], "str | None"]
+#: The targets' bytes are read from the segment this much at a time, READERS at once.
+PIECE = 8 * 1024 * 1024
+READERS = 2
 
 
 def source_url(source: Any, root_url: str, options: Mapping[str, Any]) -> tuple[str, dict]:
@@ -184,6 +195,8 @@ async def load_safetensors(
     """See AsyncCheckpointManager.load_safetensors; ``mgr`` is the open manager."""
     check_args(rename, dtype)
     url, options = source_url(source, mgr.url, mgr.storage_options)
+    op, t0 = uuid.uuid4().hex, time.monotonic()
+    mgr._emit("load.start", uuid=op, step=None, detail=url)
     agreement = _dist.LoadAgreement(mgr._loader.group, None)
     try:
         client: Any = await mgr._daemons.live()
@@ -200,39 +213,115 @@ async def load_safetensors(
         reply: LoadReply = await client.request(
             SafetensorsReq, source=url, storage_options=options, read=tuple(reads)
         )
-        loaded = map_loaded(reply)
-        agreement.checked(0)
         if into is None:
+            loaded = map_loaded(reply)
+            agreement.checked(0)
             result: Any = {k: cast(loaded[keys[k]], dtype) for k in keys}
         else:
-            await anyio.to_thread.run_sync(_copy_into, fill, keys, loaded, dtype)
+            with Opened(reply) as segment:
+                agreement.checked(0)
+                await anyio.to_thread.run_sync(segment.copy_into, fill, keys, dtype)
             result = into
         agreement.restored(0)
     except Exception as e:
+        raised: BaseException = e
         try:
             agreement.failed(e)  # the other ranks learn of it, and raise too
         except Exception as told:
-            raise told from e
-        raise
+            raised = told
+        mgr._emit("load.exception", uuid=op, step=None, error=raised, detail=url)
+        if raised is e:
+            raise
+        raise raised from e
+    mgr._emit(
+        "load.end",
+        uuid=op,
+        step=None,
+        duration_s=time.monotonic() - t0,
+        nbytes=reply.nbytes,
+        read_nbytes=reply.read_nbytes,
+        detail=url,
+    )
     return result
 
 
-def _copy_into(
-    fill: dict[str, torch.Tensor],
-    keys: dict[str, str],
-    loaded: dict[str, torch.Tensor],
-    dtype: torch.dtype | None,
-) -> None:
-    dsts, srcs = [], []
-    for key, target in fill.items():
-        src = loaded.get(keys[key])
-        if src is None:  # a DTensor of which this rank holds nothing
-            continue
-        local = target._local_tensor if _is_dtensor(target) else target  # type: ignore[attr-defined]
-        dsts.append(local)
-        srcs.append(cast(src, dtype))
-    with torch.no_grad():
-        copy_pairs(dsts, srcs)
+class Opened:
+    """The segment of a ``load_safetensors(into=...)`` read, opened (and unlinked: it goes
+    with the descriptor) but not mapped: :meth:`copy_into` reads most targets' bytes from
+    it with ``preadv``, a copy from the segment's pages straight into the targets', which
+    costs less than mapping them first (a fault or a page-table entry per 4 KiB page) and
+    copying from the mapping."""
+
+    def __init__(self, reply: LoadReply) -> None:
+        assert reply.segment is not None
+        self.reply = reply
+        self.fd = _posixshmem.shm_open(reply.segment, os.O_RDWR, mode=0o600)
+        _posixshmem.shm_unlink(reply.segment)
+
+    def __enter__(self) -> Opened:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)
+
+    def copy_into(
+        self, fill: dict[str, torch.Tensor], keys: dict[str, str], dtype: torch.dtype | None
+    ) -> None:
+        """Copy each tensor read into its target: read straight into a contiguous CPU
+        target of the same dtype, in pieces over READERS threads; through a mapping of the
+        segment and ``copy_`` (a cast, a strided target, a GPU's) otherwise."""
+        jobs: list[tuple[int, int, int]] = []  # (segment offset, address, bytes)
+        mapped: dict[str, torch.Tensor] = {}
+        for key, target in fill.items():
+            spec = self.reply.tensors.get(keys[key])
+            if spec is None:  # a DTensor of which this rank holds nothing
+                continue
+            local = target._local_tensor if _is_dtensor(target) else target  # type: ignore[attr-defined]
+            st, _, at = spec
+            if (
+                local.device.type == "cpu"
+                and local.is_contiguous()
+                and ST_TO_TORCH[st] == local.dtype
+            ):
+                n = local.numel() * local.element_size()
+                jobs += [
+                    (at + a, local.data_ptr() + a, min(PIECE, n - a)) for a in range(0, n, PIECE)
+                ]
+                _bump(local)
+            else:
+                mapped[key] = local
+        if jobs:
+            with ThreadPoolExecutor(READERS, thread_name_prefix="aiockpt-hf-copy") as pool:
+                for done in pool.map(lambda j: self._pread(*j), jobs):
+                    del done
+        if mapped:
+            self._copy_mapped(mapped, keys, dtype)
+
+    def _pread(self, at: int, address: int, n: int) -> None:
+        with memoryview((ctypes.c_char * n).from_address(address)).cast("B") as out:
+            got = 0
+            while got < n:
+                step = os.preadv(self.fd, [out[got:]], at + got)
+                if step <= 0:
+                    raise OSError(f"{self.reply.segment}: short read of the loaded segment")
+                got += step
+
+    def _copy_mapped(
+        self, mapped: dict[str, torch.Tensor], keys: dict[str, str], dtype: torch.dtype | None
+    ) -> None:
+        size = max(self.reply.size, 1)
+        mm = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED)
+        u8 = torch.frombuffer(mm, dtype=torch.uint8) if self.reply.size else torch.empty(0)
+        loaded = views(u8, {keys[k]: self.reply.tensors[keys[k]] for k in mapped})
+        srcs = [cast(loaded[keys[k]], dtype) for k in mapped]
+        with torch.no_grad():
+            copy_pairs(list(mapped.values()), srcs)
+
+
+def _bump(t: torch.Tensor) -> None:
+    """Count the write autograd would see from ``copy_`` (the bytes come from preadv)."""
+    with contextlib.suppress(AttributeError, RuntimeError):
+        torch.autograd.graph.increment_version(t)
 
 
 class SafetensorsLoading:
