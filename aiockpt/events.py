@@ -70,6 +70,7 @@ EVENT_NAMES = frozenset(
         "tier.committed",
         "tier.delete",
         "tier.failed",
+        "tier.incomplete",
         "load.tier",
     }
 )

@@ -56,13 +56,15 @@ async def resume(rank: int, world: int, root: str, args: dict) -> dict:
         exact = all(torch.equal(target["model"][k], want["model"][k]) for k in ("w", "b"))
         plain = await mgr.load()
         exact = exact and torch.equal(plain["model"]["w"], want["model"]["w"])
-        tiers = [e.tier for e in events if e.name == "load.tier"]
+        tiers = sorted({e.tier for e in events if e.name == "load.tier"})
+        incomplete = sorted({e.step for e in events if e.name == "tier.incomplete"})
     return {
         "latest": latest,
         "step": target["step"],
         "rank": target["rank"],
         "exact": exact,
         "tiers": tiers,
+        "incomplete": incomplete,
     }
 
 

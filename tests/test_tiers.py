@@ -4,6 +4,7 @@ be written refused at open() with a clear error (see docs/tiers.md)."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 from pathlib import Path
@@ -15,6 +16,7 @@ from _support.ranks import run_ranks
 from aiockpt import AsyncCheckpointManager, CheckpointManager, LatestN, LocalTier
 from aiockpt._core.catalog import Catalog
 from aiockpt._core.format import step_dirname
+from aiockpt.cli import main as cli_main
 from aiockpt.errors import CheckpointError
 from aiockpt.storage import open_storage
 
@@ -59,7 +61,7 @@ def test_local_tier_checks_its_options(tmp_path):
         AsyncCheckpointManager(tmp_path / "root", local=tier)
 
 
-async def test_one_process_saves_locally_and_persists_every_nth(tmp_path):
+async def test_one_process_saves_locally_and_persists_every_nth(tmp_path, capsys):
     root, local = tmp_path / "root", tmp_path / "local"
     tier = LocalTier(local, keep=2)
     events = []
@@ -75,6 +77,9 @@ async def test_one_process_saves_locally_and_persists_every_nth(tmp_path):
         assert same(got, state(7))
     assert committed(local) == [6, 7]
     assert committed(root) == [5]
+    capsys.readouterr()
+    assert cli_main(["ls", str(local), "--json"]) == 0  # a tier is a root: `aiockpt ls` lists it
+    assert [json.loads(line)["step"] for line in capsys.readouterr().out.splitlines()] == [6, 7]
     names = [e.name for e in events]
     assert names.count("tier.committed") == 7
     assert {e.tier for e in events if e.name.startswith("tier.")} == {"local"}
@@ -212,6 +217,7 @@ def test_two_hosts_resume_from_their_own_tiers(tmp_path):
     assert [(r["latest"], r["step"], r["rank"], r["exact"]) for r in resumed] == [
         (7, 7, rank, True) for rank in range(4)
     ]
+    assert [r["tiers"] for r in resumed] == [["local"]] * 4
 
 
 def test_a_host_lost_without_replicas_resumes_from_the_root(tmp_path):
@@ -223,6 +229,7 @@ def test_a_host_lost_without_replicas_resumes_from_the_root(tmp_path):
     fresh = two_hosts(tmp_path, ("a", "c"))
     resumed = run_tiers("resume", 4, tmp_path, root, fresh)
     assert [(r["latest"], r["step"], r["exact"]) for r in resumed] == [(5, 5, True)] * 4
+    assert [r["tiers"] for r in resumed] == [["root"]] * 4
 
 
 def test_both_tiers_wiped_resume_from_the_root(tmp_path):

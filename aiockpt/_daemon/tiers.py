@@ -46,6 +46,9 @@ __all__ = ["LocalOutbox", "TierView", "TieredWriter", "Tiers", "attach", "open_l
 #: never meet the root commit's of the same save.
 LOCAL_UUID = ".local"
 
+#: How the tiers' reads say what they found: (event name, step, tier, detail).
+Emit = Callable[[str, int | None, str, str], None]
+
 #: What the local writer's events become: its commit and its retention, tagged as the tier's.
 _RENAMED = {"save.committed": "tier.committed", "retention.delete": "tier.delete"}
 
@@ -164,17 +167,24 @@ class TierView:
     attempt that wrote them, so a name found in the local tier is that file; a step in both
     tiers is read through the local tier's manifest, which names the local shards."""
 
-    def __init__(self, local: Storage, root: Storage) -> None:
+    def __init__(self, local: Storage, root: Storage, emit: Emit | None = None) -> None:
         self.local = local
         self.root = root
         self.url = root.url
-
-    def tier_of(self, path: str) -> str:
-        """Which tier a read of ``path`` goes to: "local" or "root"."""
-        return "local" if self.local.exists(path) else "root"
+        self.emit = emit
+        self._told: set[str] = set()  # the shard files whose tier this load has named
 
     def _pick(self, path: str) -> Storage:
-        return self.local if self.local.exists(path) else self.root
+        local = self.local.exists(path)
+        if self.emit is not None:
+            head, _, name = path.partition("/")
+            if name == fmt.MANIFEST:
+                self._told.clear()  # a load reads its manifest first: a new load
+            elif name.startswith("shard_") and path not in self._told:
+                self._told.add(path)
+                tier = "local" if local else "root"
+                self.emit("load.tier", fmt.parse_step_dirname(head), tier, path)
+        return self.local if local else self.root
 
     def read_range(self, path: str, start: int, end: int) -> bytes:
         return self._pick(path).read_range(path, start, end)
@@ -319,11 +329,14 @@ class TierCatalog(Catalog):
     """The steps this rank can load: the root's, and those of its host's tier that hold
     its own shard (on several hosts a tier holds only the shards written there)."""
 
-    def __init__(self, view: TierView, rank: int, check_shards: bool) -> None:
+    def __init__(
+        self, view: TierView, rank: int, check_shards: bool, emit: Emit | None = None
+    ) -> None:
         super().__init__(view)
         self.view = view
         self.rank = rank
         self.check_shards = check_shards
+        self.emit = emit
 
     def committed_steps(self) -> list[int]:
         steps = super().committed_steps()
@@ -336,9 +349,17 @@ class TierCatalog(Catalog):
             return True
         try:
             shard = self.read_manifest(step, lazy=True).shard_of(self.rank)
-        except (CheckpointError, KeyError):
+        except (CheckpointError, KeyError) as e:
+            self._incomplete(step, f"its manifest in this host's tier does not read: {e}")
             return False
-        return self.view.local.exists(f"{fmt.step_dirname(step)}/{shard.file}")
+        if self.view.local.exists(f"{fmt.step_dirname(step)}/{shard.file}"):
+            return True
+        self._incomplete(step, f"this host's tier lacks rank {self.rank}'s shard {shard.file}")
+        return False
+
+    def _incomplete(self, step: int, why: str) -> None:
+        if self.emit is not None:
+            self.emit("tier.incomplete", step, "local", f"step {step} cannot load here: {why}")
 
 
 def attach(d: Daemon) -> Tiers | None:
@@ -366,7 +387,12 @@ def attach(d: Daemon) -> Tiers | None:
     root = d.writer
     assert isinstance(root, Writer)
     d.writer = TieredWriter(root, local, box, cfg.persist_every, d.outbox)
-    view = TierCatalog(TierView(storage, d.storage), cfg.rank, len(set(cfg.hosts)) > 1)
+
+    def emit(name: str, step: int | None, tier: str, detail: str) -> None:
+        d.outbox.event(name, None, step, where="daemon", tier=tier, detail=detail)
+
+    several = len(set(cfg.hosts)) > 1
+    view = TierCatalog(TierView(storage, d.storage, emit), cfg.rank, several, emit)
     d.reader = Reader(view, d.slabs, d.pool)
     d.listing = view
     return Tiers(storage, catalog, local)
