@@ -4,7 +4,7 @@
 Export writes a checkpoint's tensors as a plain safetensors file (or a Hugging Face sharded
 layout: numbered files plus ``model.safetensors.index.json``) that ``safetensors.torch``
 loads into an unsharded model. A distributed tensor is assembled whole from its saved chunks
-(:class:`~aiockpt._daemon.reshard.Assembler`, which checks each chunk's crc32c); a plain tensor
+(:class:`~aiockpt._core.reshard.Assembler`, which checks each chunk's crc32c); a plain tensor
 is rank 0's, checked against its record's crc32c. Every dtype and shape is known from the
 manifest, so each file's header is written first and then each tensor's bytes as they are
 assembled, one tensor at a time: memory is bounded by the largest tensor, not the checkpoint.
@@ -39,8 +39,8 @@ from ._core.catalog import Catalog
 from ._core.chunks import Chunk
 from ._core.dtable import ChunkRecord, DTensorRecord
 from ._core.lease import LEASE_DIR
+from ._core.reshard import Assembler
 from ._core.tree import DTENSOR, TENSOR, walk
-from ._daemon.reshard import Assembler
 from .errors import CorruptCheckpointError
 
 __all__ = [

@@ -17,13 +17,13 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 
 import crc32c
 
-from ..errors import CheckpointError, CorruptCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError, StepExistsError
 from ..retention import CheckpointRecord, collectable_partials
 from ..storage import Storage
 from . import format as fmt
 from .blocks import ShardMap, missing
 
-__all__ = ["MAX_MANIFEST_BYTES", "VERIFY_CHUNK", "Catalog", "ShardCrcs"]
+__all__ = ["MAX_MANIFEST_BYTES", "VERIFY_CHUNK", "Catalog", "ShardCrcs", "publish_manifest"]
 
 #: A manifest larger than this is refused before it is read. The largest legitimate ones are
 #: those of distributed tensors, whose chunks list a crc32c per 64 KiB (about 11 bytes each):
@@ -67,6 +67,20 @@ PARSED_KEPT = 2
 def manifest_path(step: int) -> str:
     """The path of a step's manifest, relative to the root."""
     return f"{fmt.step_dirname(step)}/{fmt.MANIFEST}"
+
+
+def publish_manifest(storage: Storage, path: str, manifest: bytes, step: int) -> None:
+    """Commit: create the manifest at ``path``, conditionally where the storage can (so of
+    two writers committing one step, one wins and the other hears StepExistsError). Saves
+    and ``aiockpt copy`` commit through it."""
+    put_if_absent = getattr(storage, "put_if_absent", None)
+    if put_if_absent is None:
+        storage.put_atomic(path, manifest)
+    elif not put_if_absent(path, manifest):
+        raise StepExistsError(
+            f"step {step} was committed in {storage.url} by another writer while this save "
+            "ran; this save's shard was left in place"
+        )
 
 
 class Catalog:
