@@ -6,8 +6,9 @@
   ``storage/`` is the bottom layer, which ``_core`` builds on.
 
 The rules: the daemon side and the CLI never import torch; the trainer side never imports the
-daemon side; shared code imports neither torch (``events.process_group_info`` imports
-``torch.distributed`` lazily, called only by the trainer side) nor either side.
+daemon side, nor does the CLI (``aiockpt/cli/``, ``_export``, ``_copy``): what it shares with
+the daemon is in ``_core``; shared code imports neither torch (``events.process_group_info``
+imports ``torch.distributed`` lazily, called only by the trainer side) nor either side.
 """
 
 from __future__ import annotations
@@ -74,9 +75,18 @@ SHARED = [
 ]
 
 
+CLI = [*modules("cli"), *modules("_export.py"), *modules("_copy.py")]
+
+
 def test_the_daemon_side_and_the_cli_never_import_torch_or_the_trainer_side():
-    paths = [*modules("_daemon"), *modules("cli.py")]
+    paths = [*modules("_daemon"), *CLI]
     assert violations(paths, ("torch", "numpy", "aiockpt._trainer", "anyio")) == []
+
+
+def test_the_cli_never_imports_the_daemon_side():
+    """The command reads roots through the catalog and storage; what it shares with the
+    daemon (the chunk assembler, the lease keeper, the commit) lives in ``_core``."""
+    assert violations(CLI, ("aiockpt._daemon",)) == []
 
 
 def test_the_trainer_side_never_imports_the_daemon_side():
@@ -126,6 +136,16 @@ def test_loading_the_daemon_or_the_cli_loads_no_torch(module):
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def test_loading_the_cli_loads_no_daemon_module():
+    code = (
+        "import sys, aiockpt.cli.parser; "
+        "bad = sorted(m for m in sys.modules if m.startswith('aiockpt._daemon')); "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_no_class_over_300_lines_and_no_function_over_80():
     """Small pieces: a class that outgrows this holds more than one concern."""
     roots = [PKG, PKG.parent / "plugins" / "aiockpt-s3" / "aiockpt_s3"]
@@ -138,3 +158,4 @@ def test_no_class_over_300_lines_and_no_function_over_80():
                 if node.end_lineno - node.lineno + 1 > limit:
                     too_big.append(f"{path.name}:{node.lineno} {node.name}")
     assert too_big == []
+
