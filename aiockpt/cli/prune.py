@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from .._core import format as fmt
 from .._core.lease import GONE, Claimant, read_current, supersedes
+from .._core.pruning import held_files, plan_prune
 from ..retention import (
     AnyOf,
     BestN,
@@ -18,8 +19,6 @@ from ..retention import (
     EveryNSteps,
     LatestN,
     RetentionPolicy,
-    collectable_partials,
-    select_deletions,
 )
 from .args import Parser, positive_int, positive_seconds
 from .common import Root, UsageError, open_root, require_checkpoints, scan
@@ -134,19 +133,18 @@ def run(args: argparse.Namespace) -> int:
             print(f"keeping step {e.step}: its manifest is unreadable ({e.error})", file=sys.stderr)
         else:
             records.append(CheckpointRecord(e.step, e.manifest.created_at, e.manifest.metrics))
+            # What it reads from other steps' files: the catalog keeps those files.
+            root.catalog.note_refs(e.step, e.manifest.referenced_files())
     require_metrics(args.keep_best, records)
-    readable = [e for e in root.committed if e.manifest is not None]
-    doomed = set(select_deletions(policy, records))
     step_dirs = {e.step: True for e in root.committed} | dict.fromkeys(root.partials, False)
-    partials = collectable_partials(step_dirs, everything=args.all_partials)
-    spared = sorted(set(root.partials) - set(partials))
+    plan = plan_prune(policy, records, step_dirs, everything=args.all_partials)
+    doomed = set(plan.doomed)
 
     out = sys.stdout
     verb = "deleting" if args.yes else "would delete"
-    for e in readable:
-        if e.step in doomed:
+    for e in root.committed:
+        if e.step in doomed and e.manifest is not None:
             m = e.manifest
-            assert m is not None
             out.write(
                 f"{verb} step {e.step} (committed {format_time(m.created_at)}, "
                 f"{human_bytes(m.nbytes)})\n"
@@ -155,15 +153,11 @@ def run(args: argparse.Namespace) -> int:
                 root.catalog.delete_step(e.step)
     # Files that the kept steps read from (incremental checkpoints) stay, whatever their
     # directory; None: a kept manifest is unreadable, so no file is known to be unread.
-    survivors = [e for e in root.committed if e.step not in doomed]
-    kept_refs = (
-        None
-        if any(e.manifest is None for e in survivors)
-        else frozenset(p for e in survivors if e.manifest for p in e.manifest.referenced_files())
-    )
-    for step in partials:
+    unreadable = {e.step for e in root.committed if e.manifest is None}
+    kept_refs = None if unreadable & set(plan.kept) else root.catalog.referenced(plan.kept)
+    for step in plan.partials:
         dirname = fmt.step_dirname(step)
-        held = None if kept_refs is None else [p for p in kept_refs if p.startswith(dirname + "/")]
+        held = None if kept_refs is None else held_files(kept_refs, step)
         if held is None:
             out.write(f"keeping step directory {dirname}: a kept manifest is unreadable\n")
             continue
@@ -176,15 +170,15 @@ def run(args: argparse.Namespace) -> int:
             out.write(f"{verb} partial step directory {dirname}\n")
         if args.yes:
             root.catalog.sweep(step, kept_refs)
-    if spared:
+    if plan.spared:
         print(
             f"left partial step directories at or above the newest commit (a save may still be "
-            f"writing them; --all-partials removes them too): {', '.join(map(str, spared))}",
+            f"writing them; --all-partials removes them too): {', '.join(map(str, plan.spared))}",
             file=sys.stderr,
         )
-    kept = [e.step for e in root.committed if e.step not in doomed]
+    kept = plan.kept
     out.write(f"keeping {plural(len(kept), 'checkpoint')}: {', '.join(map(str, kept)) or '-'}\n")
-    if not doomed and not partials:
+    if not doomed and not plan.partials:
         print("nothing to delete", file=sys.stderr)
     elif not args.yes:
         print("dry run: nothing was deleted; pass --yes to delete", file=sys.stderr)
