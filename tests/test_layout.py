@@ -8,7 +8,8 @@
 The rules: the daemon side and the CLI never import torch; the trainer side never imports the
 daemon side, nor does the CLI (``aiockpt/cli/``, ``_export``, ``_copy``): what it shares with
 the daemon is in ``_core``; shared code imports neither torch (``events.process_group_info``
-imports ``torch.distributed`` lazily, called only by the trainer side) nor either side.
+imports ``torch.distributed`` lazily, called only by the trainer side) nor either side. And
+no module of ``aiockpt/`` is over 500 lines.
 """
 
 from __future__ import annotations
@@ -159,3 +160,21 @@ def test_no_class_over_300_lines_and_no_function_over_80():
                     too_big.append(f"{path.name}:{node.lineno} {node.name}")
     assert too_big == []
 
+
+#: Modules over the limit that are being split now; each leaves this set as its split lands.
+SPLITS_UNDER_WAY = {
+    "_daemon/reader.py",
+    "_trainer/loading.py",
+    "_trainer/state.py",
+    "_trainer/staging.py",
+}
+
+
+def test_no_module_over_500_lines():
+    """A module that outgrows this mixes jobs: split it along a seam (see design.md)."""
+    too_long = {
+        str(path.relative_to(PKG)): n
+        for path in sorted(PKG.rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > 500
+    }
+    assert {p: n for p, n in too_long.items() if p not in SPLITS_UNDER_WAY} == {}
