@@ -198,8 +198,9 @@ class Session:
             named |= _pointer.steps_named_in(directory, self.root)
         for step, info in sorted(self.committed.items()):
             if info.path is not None and step not in named:
+                # (It stays taken: the manager, which listed it as it opened, would refuse
+                # a save of it as a step already committed.)
                 self._delete(step)
-                self._taken.discard(step)
                 del self.committed[step]
 
     def _tidy(self, directory: str) -> None:
