@@ -22,14 +22,13 @@ from typing import Any
 
 from ._core import format as fmt
 from ._core.blocks import ShardMap
-from ._core.catalog import Catalog, ShardCrcs, manifest_path
+from ._core.catalog import Catalog, ShardCrcs, manifest_path, publish_manifest
+from ._core.leasekeeper import LeaseKeeper
 from ._core.pieces import Pieces
 from ._core.protocol import LeaseSpec
-from ._daemon.coord import publish_manifest
-from ._daemon.lease import LeaseKeeper
 from .errors import CheckpointError, CorruptCheckpointError, StepExistsError
 
-#: The destination's lease is held this long between renewals (see _daemon.lease).
+#: The destination's lease is held this long between renewals (see _core.leasekeeper).
 COPY_LEASE_TTL = 30.0
 
 #: A shard streams through memory in pieces of this size.

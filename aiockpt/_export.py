@@ -1,19 +1,14 @@
-"""Whole tensors out of a checkpoint, without torch: ``aiockpt export`` and the block check of
-``aiockpt verify``.
+"""Whole tensors out of a checkpoint, without torch: ``aiockpt export``.
 
 Export writes a checkpoint's tensors as a plain safetensors file (or a Hugging Face sharded
 layout: numbered files plus ``model.safetensors.index.json``) that ``safetensors.torch``
 loads into an unsharded model. A distributed tensor is assembled whole from its saved chunks
-(:class:`~aiockpt._daemon.reshard.Assembler`, which checks each chunk's crc32c); a plain tensor
+(:class:`~aiockpt._core.reshard.Assembler`, which checks each chunk's crc32c); a plain tensor
 is rank 0's, checked against its record's crc32c. Every dtype and shape is known from the
 manifest, so each file's header is written first and then each tensor's bytes as they are
 assembled, one tensor at a time: memory is bounded by the largest tensor, not the checkpoint.
 Each output is written under a temporary name and renamed into place, so a failed export
 leaves nothing.
-
-Verify streams every shard once (:meth:`Catalog.verify_shard`); :class:`ChunkBlocks` takes the
-same bytes as they go by and checks the block crcs of every chunk of a distributed tensor in
-the shard, the checksums a resharding load relies on.
 """
 
 from __future__ import annotations
@@ -37,15 +32,14 @@ from ._core.blocks import ShardMap
 from ._core.casts import FLOATING, cast_bytes
 from ._core.catalog import Catalog
 from ._core.chunks import Chunk
-from ._core.dtable import ChunkRecord, DTensorRecord
+from ._core.dtable import DTensorRecord
 from ._core.lease import LEASE_DIR
+from ._core.reshard import Assembler
 from ._core.tree import DTENSOR, TENSOR, walk
-from ._daemon.reshard import Assembler
 from .errors import CorruptCheckpointError
 
 __all__ = [
     "INDEX",
-    "ChunkBlocks",
     "ExportError",
     "Exported",
     "Item",
@@ -53,7 +47,6 @@ __all__ = [
     "parse_size",
     "plan_files",
     "select",
-    "verify_shard",
 ]
 
 #: The index of a sharded export, and the file of a directory export that needs only one.
@@ -477,83 +470,3 @@ def _remove(path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
     elif os.path.lexists(path):
         os.unlink(path)
-
-
-# --------------------------------------------------------------------------- verify
-
-
-class ChunkBlocks:
-    """The block crcs of the distributed-tensor chunks of one shard, computed as the shard
-    streams by in consecutive pieces (as :class:`~aiockpt._core.catalog.ShardCrcs` computes
-    its tensors' crcs)."""
-
-    def __init__(self, chunks: list[tuple[str, ChunkRecord]], block: int) -> None:
-        self.block = block
-        # A shard's tensors are disjoint: sorted by start, the chunks a piece overlaps are
-        # consecutive, from the first one not yet read whole.
-        self.order = sorted(chunks, key=lambda item: (item[1].start, item[1].end))
-        self.first = 0
-        # Per chunk: the next byte expected (absolute), the running crc of its current
-        # block, and the crcs of its finished blocks.
-        self.pos = [c.start for _, c in self.order]
-        self.crc = [0] * len(self.order)
-        self.done: list[list[int]] = [[] for _ in self.order]
-
-    def update(self, lo: int, piece: memoryview) -> None:
-        """Take in the bytes ``[lo, lo + len(piece))`` of the shard, the next after the last."""
-        hi = lo + len(piece)
-        i = self.first
-        while i < len(self.order) and self.order[i][1].start < hi:
-            self._take(i, lo, piece)
-            i += 1
-        while self.first < len(self.order) and self.order[self.first][1].end <= hi:
-            self.first += 1
-
-    def _take(self, i: int, lo: int, piece: memoryview) -> None:
-        c = self.order[i][1]
-        pos, stop = max(self.pos[i], lo), min(c.end, lo + len(piece))
-        while pos < stop:
-            block_end = min(c.start + (len(self.done[i]) + 1) * self.block, c.end)
-            take = min(stop, block_end) - pos
-            self.crc[i] = crc32c.crc32c(piece[pos - lo : pos - lo + take], self.crc[i])
-            pos += take
-            if pos == block_end:
-                self.done[i].append(self.crc[i])
-                self.crc[i] = 0
-        self.pos[i] = max(self.pos[i], pos)
-
-    def mismatches(self) -> list[str]:
-        """The chunks, read whole, whose block crcs differ from their table's."""
-        problems = []
-        for i, (name, c) in enumerate(self.order):
-            if self.pos[i] < c.end:
-                continue  # not read whole: the shard's own check says why
-            bad = [k for k, (a, b) in enumerate(zip(self.done[i], c.blocks, strict=True)) if a != b]
-            if bad:
-                shown = ", ".join(map(str, bad[:8])) + (", …" if len(bad) > 8 else "")
-                problems.append(
-                    f"distributed tensor {name!r}: the chunk at {list(c.chunk.offsets)} fails "
-                    f"{len(bad)} of its {len(c.blocks)} block crc32c checks (block {shown})"
-                )
-        return problems
-
-
-def verify_shard(
-    catalog: Catalog,
-    m: fmt.Manifest,
-    shard: fmt.ShardRecord,
-    progress: Callable[[int], None],
-) -> list[str]:
-    """Problems with one shard of step ``m``: those of :meth:`Catalog.verify_shard`, then
-    every chunk of a distributed tensor in the shard whose block crcs fail, from one read;
-    ``progress`` as there."""
-    records = m.tensors[shard.file]
-    chunks = [
-        (name, c) for name, d in m.dtensors.items() for c in d.chunks if c.shard == shard.file
-    ]
-    if not chunks:
-        return catalog.verify_shard(m.step, shard, records, progress)
-    path = f"{fmt.step_dirname(m.step)}/{shard.file}"
-    blocks = ChunkBlocks(chunks, m.block_bytes)
-    problems = catalog.verify_shard(m.step, shard, records, progress, sink=blocks.update)
-    return problems + [f"{path}: {p}" for p in blocks.mismatches()]

@@ -25,7 +25,8 @@ from safetensors.torch import load_file
 from aiockpt._core import format as fmt
 from aiockpt._core.chunks import Chunk
 from aiockpt._core.dtable import ChunkRecord, block_crcs
-from aiockpt._export import ChunkBlocks, parse_size
+from aiockpt._export import parse_size
+from aiockpt.cli.verify import ChunkBlocks
 
 SCRIPT = str(Path(sys.executable).parent / "aiockpt")
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -24,7 +24,7 @@ from torch.distributed.tensor import Replicate, Shard
 from aiockpt._core import dtable
 from aiockpt._core import format as fmt
 from aiockpt._core.chunks import Chunk, byte_span, read_plan
-from aiockpt._daemon.reshard import Assembler, wanted_box
+from aiockpt._core.reshard import Assembler, wanted_box
 from aiockpt._trainer.dtensor import chunk_at, writes_at
 from aiockpt._trainer.dtypes import TORCH_TO_ST
 from aiockpt.errors import CorruptCheckpointError, LoadMismatchError

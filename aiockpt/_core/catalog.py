@@ -17,13 +17,14 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 
 import crc32c
 
-from ..errors import CheckpointError, CorruptCheckpointError
-from ..retention import CheckpointRecord, collectable_partials
+from ..errors import CheckpointError, CorruptCheckpointError, StepExistsError
+from ..retention import CheckpointRecord
 from ..storage import Storage
 from . import format as fmt
 from .blocks import ShardMap, missing
+from .pruning import held_files, plan_prune
 
-__all__ = ["MAX_MANIFEST_BYTES", "VERIFY_CHUNK", "Catalog", "ShardCrcs"]
+__all__ = ["MAX_MANIFEST_BYTES", "VERIFY_CHUNK", "Catalog", "ShardCrcs", "publish_manifest"]
 
 #: A manifest larger than this is refused before it is read. The largest legitimate ones are
 #: those of distributed tensors, whose chunks list a crc32c per 64 KiB (about 11 bytes each):
@@ -67,6 +68,20 @@ PARSED_KEPT = 2
 def manifest_path(step: int) -> str:
     """The path of a step's manifest, relative to the root."""
     return f"{fmt.step_dirname(step)}/{fmt.MANIFEST}"
+
+
+def publish_manifest(storage: Storage, path: str, manifest: bytes, step: int) -> None:
+    """Commit: create the manifest at ``path``, conditionally where the storage can (so of
+    two writers committing one step, one wins and the other hears StepExistsError). Saves
+    and ``aiockpt copy`` commit through it."""
+    put_if_absent = getattr(storage, "put_if_absent", None)
+    if put_if_absent is None:
+        storage.put_atomic(path, manifest)
+    elif not put_if_absent(path, manifest):
+        raise StepExistsError(
+            f"step {step} was committed in {storage.url} by another writer while this save "
+            "ran; this save's shard was left in place"
+        )
 
 
 class Catalog:
@@ -272,7 +287,7 @@ class Catalog:
         if refs is None:
             return False
         dirname = fmt.step_dirname(step)
-        kept = {path for path in refs if path.startswith(dirname + "/")}
+        kept = set(held_files(refs, step))
         if not kept:
             self.remove(step)
             return True
@@ -304,19 +319,18 @@ class Catalog:
         self, busy: Callable[[], Collection[int]] = frozenset, *, everything: bool = False
     ) -> list[int]:
         """Remove the partial step directories that no save can still be writing (see
-        :func:`~aiockpt.retention.collectable_partials`), but for the files a committed step
+        :func:`~aiockpt._core.pruning.plan_prune`), but for the files a committed step
         reads from (see :meth:`sweep`); the steps whose directories are gone, ascending.
 
         ``busy`` gives the steps being saved. It is asked after the listing, so a save that
         starts in between is seen as busy rather than its directory as dead."""
-        step_dirs = self.step_dirs()
+        plan = plan_prune(None, (), self.step_dirs(), busy=busy(), everything=everything)
         removed = []
-        collectable = collectable_partials(step_dirs, busy(), everything=everything)
-        if collectable:
-            refs = self.referenced(s for s, committed in step_dirs.items() if committed)
+        if plan.partials:
+            refs = self.referenced(plan.kept)
             if refs is None:
                 return []  # nothing is known to be unreferenced
-            removed = [step for step in collectable if self.sweep(step, refs)]
+            removed = [step for step in plan.partials if self.sweep(step, refs)]
         return removed
 
     # ----------------------------------------------------------------- verifying

@@ -16,7 +16,7 @@ root at once when the holder is provably gone (:func:`supersedes`), instead of w
 the TTL of a writer that was SIGKILLed.
 
 This module holds the record, its checks and the reads (the daemon and the CLI share them);
-the daemon's :class:`~aiockpt._daemon.lease.LeaseKeeper` takes, renews and checks it.
+a writer's :class:`~aiockpt._core.leasekeeper.LeaseKeeper` takes, renews and checks it.
 """
 
 from __future__ import annotations

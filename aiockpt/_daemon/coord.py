@@ -25,9 +25,9 @@ from typing import Any
 
 from .._core import dtable
 from .._core import format as fmt
+from .._core.catalog import publish_manifest
 from .._core.storeops import StoreTimeout, StoreUnreachable
-from ..errors import DistributedSaveError, StepExistsError
-from ..storage import Storage
+from ..errors import DistributedSaveError
 from .rendezvous import Part, Rendezvous, StorageRendezvous
 
 __all__ = ["Coordinator", "Fence", "Part", "merge", "no_fence", "publish_manifest"]
@@ -68,19 +68,6 @@ Fence = Callable[[str], None]
 
 def no_fence(what: str) -> None:
     """The fence of a daemon that holds no lease (a read-only manager, a rank other than 0)."""
-
-
-def publish_manifest(storage: Storage, path: str, manifest: bytes, step: int) -> None:
-    """Commit: create the manifest, conditionally where the storage can (so of two writers
-    committing one step, one wins and the other hears StepExistsError)."""
-    put_if_absent = getattr(storage, "put_if_absent", None)
-    if put_if_absent is None:
-        storage.put_atomic(path, manifest)
-    elif not put_if_absent(path, manifest):
-        raise StepExistsError(
-            f"step {step} was committed in {storage.url} by another writer while this save "
-            "ran; this save's shard was left in place"
-        )
 
 
 class Coordinator:

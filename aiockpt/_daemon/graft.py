@@ -10,7 +10,7 @@ tensor the same dtype, shape and crc32c); when they differ, a rank that saved no
 cannot tell which it wants, and its load is refused naming the key and the ranks.
 
 The tensors taken so are read from their rank's shard as one chunk each, the whole tensor,
-through the reader's :class:`~.reshard.Assembler` (which checks each against its crc32c):
+through the :class:`~aiockpt._core.reshard.Assembler` (which checks each against its crc32c):
 :class:`Borrowed` describes one the way a distributed tensor's record does.
 """
 

@@ -6,7 +6,7 @@ shards, on any storage aiockpt opens (a local path, an fsspec URL, a plugin's).
 where each tensor lies; the trainer then asks (:func:`read`) for what it needs: whole
 tensors, read as runs of back-to-back byte ranges, and boxes of tensors (a rank's local
 chunk of a DTensor), each tensor seen as one saved chunk so that the
-:class:`~aiockpt._daemon.reshard.Assembler` reads only the one byte range that holds the
+:class:`~aiockpt._core.reshard.Assembler` reads only the one byte range that holds the
 box's runs (a dim-0 box of a row-major tensor is one range, read straight into place).
 The bytes go into a new shared-memory segment the trainer takes over, as ``load()``'s do.
 Safetensors files carry no checksums: sizes and offsets are what is verified.
@@ -30,9 +30,9 @@ from .._core.chunks import Chunk, read_plan
 from .._core.dtable import ChunkRecord
 from .._core.dtypes import DTYPE_SIZES
 from .._core.protocol import LoadReply, SafetensorsInfo, TensorAt
+from .._core.reshard import OUT_ALIGN, Assembler
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StagingMemoryError
 from ..storage import Storage, open_storage
-from .reshard import OUT_ALIGN, Assembler
 
 __all__ = ["Source", "describe", "read"]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 
 from .._core.catalog import Catalog
+from .._core.pruning import plan_prune
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -18,7 +19,7 @@ from ..errors import (
     LeaseLostError,
     StepExistsError,
 )
-from ..retention import CheckpointRecord, RetentionPolicy, select_deletions
+from ..retention import CheckpointRecord, RetentionPolicy
 from .coord import Fence, no_fence
 from .pipe import Outbox, remote_error
 from .shared import InFlight
@@ -90,7 +91,7 @@ class Pruner:
             records = list(self.index.values())
         protected = {step, *self.in_flight.snapshot()}
         try:
-            doomed = select_deletions(self.policy, records, protected)
+            doomed = plan_prune(self.policy, records, protected=protected).doomed
         except Exception as e:
             err = CheckpointError(
                 f"step {step} was committed, but the retention policy {self.policy!r} failed: "

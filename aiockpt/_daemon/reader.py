@@ -27,6 +27,7 @@ from .._core.catalog import Catalog
 from .._core.chunks import Chunk
 from .._core.gc import no_gc
 from .._core.protocol import LoadReply, SlabRef, TensorAt, Wanted
+from .._core.reshard import OUT_ALIGN, Assembler, out_offsets, wanted_box
 from .._core.shm import Segment, unlink
 from .._core.tree import select_paths, tensor_references, walk
 from .._crc import Shifts, combine
@@ -38,7 +39,6 @@ from ..errors import (
     StagingMemoryError,
 )
 from .graft import Borrowed, graft
-from .reshard import OUT_ALIGN, Assembler, out_offsets, wanted_box
 from .shared import Slabs
 
 #: The first read of a shard's header: enough for the header of a few hundred tensors.

@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from .._core.catalog import Catalog
+from .._core.leasekeeper import LeaseKeeper
 from .._core.pipe import PipeEnd
 from .._core.protocol import (
     CollectPartialsReq,
@@ -57,7 +58,6 @@ from ..errors import DaemonStartError
 from ..storage import CountingStorage, Storage, open_storage
 from . import hfread, tiers
 from .coord import Coordinator, no_fence
-from .lease import LeaseKeeper
 from .pipe import Outbox, remote_error
 from .prune import Pruner
 from .reader import Reader

@@ -24,9 +24,12 @@ from typing import Any
 
 import torch
 
-from aiockpt import AsyncCheckpointManager, cli
+from aiockpt import AsyncCheckpointManager
 from aiockpt._core.catalog import Catalog
 from aiockpt._core.lease import read_current
+from aiockpt.cli.common import scan
+from aiockpt.cli.output import Progress
+from aiockpt.cli.verify import entry_problems
 from aiockpt.errors import CheckpointError
 from aiockpt.storage import LocalStorage
 
@@ -91,9 +94,9 @@ def verify(root: str) -> dict[int, list[str]]:
     """What ``aiockpt verify ROOT`` finds wrong with each committed step: the command's own
     scan and checks, run in this process on a local root (its argument parsing and storage
     lookup, the same every time, left out)."""
-    scanned = cli.scan(Catalog(LocalStorage(root)), root)
-    progress = cli.Progress(0, io.StringIO())
-    return {e.step: cli.entry_problems(scanned, e, progress) for e in scanned.committed}
+    scanned = scan(Catalog(LocalStorage(root)), root)
+    progress = Progress(0, io.StringIO())
+    return {e.step: entry_problems(scanned, e, progress) for e in scanned.committed}
 
 
 def written_files(records: list[dict[str, Any]]) -> dict[str, bytes]:

@@ -8,6 +8,9 @@ paths, dtypes, generators. Each of those becomes a *marked* dict, ``{MARK: kind,
 :func:`decode` turns back into the value it was. What cannot come back as it was (a
 ``defaultdict``, an arbitrary object, a module that would come back as its state dict) is
 refused, every key path at fault named in one :class:`~aiockpt.UnsupportedValueError`.
+
+DTensors (the sharded state AiockptFSDPStrategy saves) are kept as they are when
+:func:`encode` is asked to: aiockpt saves each rank's chunks and loads them back resharded.
 """
 
 from __future__ import annotations
@@ -53,10 +56,11 @@ def _type_name(value: object) -> str:
     return f"{type(value).__module__}.{type(value).__qualname__}"
 
 
-def encode(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+def encode(checkpoint: Mapping[str, Any], *, dtensors: bool = False) -> dict[str, Any]:
     """The state aiockpt saves for ``checkpoint``; raises UnsupportedValueError naming every
-    key path whose value cannot be stored and restored as it is."""
-    encoder = _Encoder()
+    key path whose value cannot be stored and restored as it is. With ``dtensors``, DTensors
+    are kept (detached) for aiockpt to save as distributed tensors."""
+    encoder = _Encoder(dtensors)
     state = encoder.mapping(checkpoint, "")
     if encoder.problems:
         (path, why), *more = encoder.problems
@@ -67,7 +71,8 @@ def encode(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
 class _Encoder:
     """One encode: the walk, and every problem it met (it goes on past each)."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtensors: bool = False) -> None:
+        self.dtensors = dtensors
         self.problems: list[tuple[str, str]] = []
         #: ids of the containers being walked, to refuse a reference cycle.
         self.active: set[int] = set()
@@ -128,6 +133,8 @@ class _Encoder:
             return {MARK: "tensor", "requires_grad": True, "value": t.detach()}
         if type(t) is torch.nn.Parameter:
             return {MARK: "parameter", "requires_grad": t.requires_grad, "value": t.detach()}
+        if self.dtensors and _is_dtensor(t):
+            return t.detach() if t.requires_grad else t
         self.refuse(
             path,
             f"a tensor subclass ({_type_name(t)}) would come back as a plain tensor: store "
@@ -174,6 +181,13 @@ class _Encoder:
             for k, v in m.items()
         ]
         return {MARK: "pairs", "items": pairs}
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (only once something imported the class)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(module, "DTensor", None)
+    return cls is not None and type(t) is cls
 
 
 def _why_not(v: Any) -> str:

@@ -96,6 +96,22 @@ class AiockptCheckpointIO(CheckpointIO):
                 )
             return self._session
 
+    def _open_shared(self) -> Session:
+        """The open shared session (see Session); opened now, by every rank of the default
+        process group at once, if there is none. Called on every rank together."""
+        with self._lock:
+            if self._session is not None and not self._session.shared:
+                raise RuntimeError(
+                    "AiockptCheckpointIO already saves on global rank 0 alone in this run: a "
+                    "sharded save (AiockptFSDPStrategy) needs every rank's manager from the start"
+                )
+            if self._session is None:
+                rank = _rank()
+                self._session = Session(
+                    self.root, self._manager_kwargs, shared=True, member=rank != 0
+                )
+            return self._session
+
     @contextmanager
     def _using(self) -> Iterator[Session]:
         """The session, for a load or a removal: one opened for it is closed after it, so that
@@ -154,19 +170,7 @@ class AiockptCheckpointIO(CheckpointIO):
         self.wait()  # a pointer is written once its save commits
         with self._using() as session:
             # (Opening a writer put right what a killed run left: the pointer is read after.)
-            if not os.path.exists(target):
-                raise FileNotFoundError(f"Checkpoint file not found: {target}")
-            pointer = _pointer.read(target)
-            if pointer is None:
-                raise ValueError(
-                    f"{target} is not an aiockpt-lightning pointer file (a checkpoint written "
-                    "by torch.save? load it without the AiockptCheckpointIO plugin)"
-                )
-            if pointer.root != self.root:
-                raise ValueError(
-                    f"{target} names a checkpoint of the aiockpt root {pointer.root}, and this "
-                    f"plugin's root is {self.root}: use AiockptCheckpointIO({pointer.root!r})"
-                )
+            pointer = self._pointer_at(target)
             if not session.writer:
                 # A reader sees what the writer puts right as it opens, whether or not the
                 # writer has yet: every rank loads the same checkpoint.
@@ -181,6 +185,146 @@ class AiockptCheckpointIO(CheckpointIO):
                 ) from e
         checkpoint = decode(state)
         return checkpoint if device is None else _to_device(checkpoint, device)
+
+    def _save_sharded(
+        self, checkpoint: dict[str, Any], path: _PATH, sharded: tuple[str, ...]
+    ) -> None:
+        """Save ``checkpoint`` as one aiockpt checkpoint of every rank, each rank its own
+        checkpoint dict: the values at the top-level keys ``sharded`` hold DTensors, whose
+        chunks each rank saves once; the rest is each rank's own (Lightning gives every rank
+        the same), so that a load on another number of processes finds it the same on every
+        rank. Called on every rank together (by AiockptFSDPStrategy); global rank 0 writes the
+        pointer at ``path`` once every part has committed. A refusal on any rank raises on
+        every rank, and nothing is saved."""
+        import torch.distributed as dist
+
+        session = self._open_shared()
+        rank = _rank()
+        step = None
+        problem: str | None = None
+        try:
+            state = encode(checkpoint, dtensors=True)
+            if rank == 0:
+                target = os.path.abspath(_pointer.local_path(path))
+                global_step = _count(checkpoint, "global_step")
+                epoch = _count(checkpoint, "epoch")
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                with self._lock:
+                    session.prepare(os.path.dirname(target))
+                    step = session.next_step(global_step)
+        except Exception as e:
+            error: Exception | None = e
+            problem = f"{type(e).__name__}: {e}"
+        else:
+            error = None
+        # Every rank learns of any rank's refusal (and rank 0's step) before anything is saved.
+        said: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(said, (step, problem))
+        if error is not None:
+            raise error
+        failed = {r: p for r, (_, p) in enumerate(said) if p is not None}
+        if failed:
+            raise RuntimeError(
+                "the sharded save was refused on "
+                + "; ".join(f"rank {r}: {p}" for r, p in sorted(failed.items()))
+            )
+        step = said[0][0]
+        if rank != 0:
+            session.save_part(step, state)
+            return
+        metadata = {
+            "lightning": {
+                "file": os.path.basename(target),
+                "path": target,
+                "global_step": global_step,
+                "epoch": epoch,
+                # The checkpoint's top-level keys; a checkpoint saved by every rank has them.
+                "keys": list(checkpoint),
+            }
+        }
+        with self._lock:
+            session.save(target, state, Pointer(self.root, step, global_step, epoch), metadata)
+
+    def _load_sharded(
+        self,
+        path: _PATH,
+        targets: dict[str, Any],
+        strict: bool = True,
+        skip: tuple[str, ...] = (),
+    ) -> dict[str, Any]:
+        """Load the checkpoint saved by :meth:`_save_sharded` whose pointer is at ``path``:
+        the values at the top-level keys of ``targets`` restored in place into them (DTensors
+        resharded to this run's layout, each rank reading only what it needs), the rest read
+        as saved, except the keys in ``skip`` that ``targets`` does not hold. Called on every
+        rank together; global rank 0 reads the pointer."""
+        import torch.distributed as dist
+
+        self.wait()  # a pointer is written once its save commits
+        session = self._open_shared()
+        found: tuple[int, tuple[str, ...]] | None = None
+        problem: tuple[str, str] | None = None
+        if _rank() == 0:
+            try:
+                found = self._find_sharded(session, path)
+            except Exception as e:
+                problem = (type(e).__name__, str(e))
+        said = [(found, problem)]
+        dist.broadcast_object_list(said, src=0)
+        found, problem = said[0]
+        if problem is not None:
+            kinds = {"FileNotFoundError": FileNotFoundError, "ValueError": ValueError}
+            raise kinds.get(problem[0], RuntimeError)(problem[1])
+        assert found is not None
+        step, keys = found
+        missing = [k for k in targets if k not in keys]
+        if missing:
+            raise KeyError(
+                f"{path} holds no {', '.join(map(repr, missing))} (saved without them, "
+                "weights_only?): it cannot restore them"
+            )
+        into = encode(targets, dtensors=True)
+        session.manager.load(step, into=into, keys=tuple(into), strict=strict)
+        rest = [k for k in keys if k not in targets and k not in skip]
+        checkpoint = decode(session.manager.load(step, keys=rest)) if rest else {}
+        checkpoint.update(decode(into))
+        return {k: checkpoint[k] for k in keys if k in checkpoint}
+
+    def _find_sharded(self, session: Session, path: _PATH) -> tuple[int, tuple[str, ...]]:
+        """The step that the pointer at ``path`` names, and the top-level keys of its
+        checkpoint, which must have been saved sharded."""
+        target = os.path.abspath(_pointer.local_path(path))
+        pointer = self._pointer_at(target)
+        info = session.info(pointer.step)
+        if info is None:
+            raise FileNotFoundError(
+                f"{target} names step {pointer.step} of {self.root} (global step "
+                f"{pointer.global_step}), which holds no committed checkpoint (its save "
+                "never finished?)"
+            )
+        if info.keys is None:
+            raise ValueError(
+                f"{target} names a checkpoint saved by global rank 0 alone (by another "
+                "strategy than AiockptFSDPStrategy): AiockptFSDPStrategy resumes only from "
+                "the sharded checkpoints it saved"
+            )
+        return pointer.step, info.keys
+
+    def _pointer_at(self, target: str) -> Pointer:
+        """The pointer in the file ``target``, of this plugin's root."""
+        if not os.path.exists(target):
+            raise FileNotFoundError(f"Checkpoint file not found: {target}")
+        pointer = _pointer.read(target)
+        if pointer is None:
+            raise ValueError(
+                f"{target} is not an aiockpt-lightning pointer file (a checkpoint written "
+                "by torch.save? load it without the AiockptCheckpointIO plugin)"
+            )
+        if pointer.root != self.root:
+            raise ValueError(
+                f"{target} names a checkpoint of the aiockpt root {pointer.root}, and this "
+                f"plugin's root is {self.root}: use AiockptCheckpointIO({pointer.root!r})"
+            )
+        return pointer
 
     def remove_checkpoint(self, path: _PATH) -> None:
         """Remove the checkpoint at ``path``: the pointer file at once, the aiockpt checkpoint
@@ -238,6 +382,13 @@ def _own_group() -> tuple[int, Any]:
         group = dist.new_group([rank], backend="gloo", use_local_synchronization=True)
         made = _GROUPS[id(world)] = (world, group)
     return rank, made[1]
+
+
+def _rank() -> int:
+    """This process's global rank (0 without torch.distributed)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _count(checkpoint: Mapping[str, Any], key: str) -> int:

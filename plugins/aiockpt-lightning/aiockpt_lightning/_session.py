@@ -7,6 +7,11 @@ commit. The committer thread waits for each commit, then writes the pointer, and
 aiockpt checkpoints that no pointer names any more (removed by ``save_top_k``, or whose
 pointer was overwritten), each once its save has committed.
 
+A *shared* session is one manager per rank on the job's whole process group, for sharded
+saves (AiockptFSDPStrategy): every rank saves its own part of each checkpoint, and global rank
+0's session alone keeps the pointers; the other ranks' sessions are *members*, which only save
+and load.
+
 Each committed checkpoint records, in its metadata, the path of its pointer. A writing session
 uses that to put right what a killed run left (see :meth:`Session.recover`); a reading one to
 load, for a pointer, the newest checkpoint committed for it (see :meth:`Session.resolve`).
@@ -56,14 +61,17 @@ class _Committed:
     path: str | None
     global_step: int
     epoch: int
+    #: The checkpoint's top-level keys, for one saved sharded (by every rank); else None.
+    keys: tuple[str, ...] | None = None
 
 
 @dataclass(eq=False)
 class _Save:
     """A save whose pointer is written once it commits, unless its path is removed first."""
 
-    path: str
-    pointer: Pointer
+    #: None for a member's part of a save: no pointer to write.
+    path: str | None
+    pointer: Pointer | None
     handle: SyncSaveHandle
     cancelled: bool = False
 
@@ -86,9 +94,17 @@ class Session:
         *,
         writer: bool = True,
         process_group: Any = None,
+        shared: bool = False,
+        member: bool = False,
     ) -> None:
+        """``writer``: save and keep the pointers (else read only). ``shared``: a manager
+        on ``process_group`` (None: the default group) that every rank of it opens at once,
+        for sharded saves. ``member``: a shared session of a rank other than global rank 0,
+        which saves its parts and loads, and keeps no pointers."""
         self.root = root
         self.writer = writer
+        self.shared = shared or member
+        self.member = member
         self._storage_options = manager_kwargs.get("storage_options")
         options = dict(manager_kwargs, process_group=process_group)
         if not writer:
@@ -102,8 +118,8 @@ class Session:
         self._lock = threading.Lock()
         try:
             self._taken = set(self.manager.steps())
-            self.committed = self._catalog(self._taken)
-            if writer:
+            self.committed = {} if member else self._catalog(self._taken)
+            if writer and not member:
                 self.recover()
         except BaseException:
             self.manager.close()
@@ -130,13 +146,24 @@ class Session:
             manifest = json.loads(storage.read_range(name, 0, storage.size(name)))
             meta = (manifest.get("metadata") or {}).get("lightning") or {}
             path = meta.get("path")
+            keys = meta.get("keys")
             out[step] = _Committed(
                 float(manifest.get("created_at", 0.0)),
                 path if isinstance(path, str) else None,
                 int(meta.get("global_step", 0)),
                 int(meta.get("epoch", 0)),
+                tuple(str(k) for k in keys) if isinstance(keys, list) else None,
             )
         return out
+
+    def info(self, step: int) -> _Committed | None:
+        """What the manifest of ``step`` says, if it is committed (one committed since this
+        session opened is read now)."""
+        if step not in self.committed:
+            if not self._open_storage().exists(f"step_{step:012d}/manifest.json"):
+                return None
+            self.committed.update(self._catalog({step}))
+        return self.committed[step]
 
     def resolve(self, path: str, pointer: Pointer) -> Pointer:
         """The pointer ``path`` should hold: ``pointer``, or one to the newest checkpoint
@@ -171,8 +198,9 @@ class Session:
             named |= _pointer.steps_named_in(directory, self.root)
         for step, info in sorted(self.committed.items()):
             if info.path is not None and step not in named:
+                # (It stays taken: the manager, which listed it as it opened, would refuse
+                # a save of it as a step already committed.)
                 self._delete(step)
-                self._taken.discard(step)
                 del self.committed[step]
 
     def _tidy(self, directory: str) -> None:
@@ -234,6 +262,14 @@ class Session:
                 _pointer.write(path, pointer)
             self._pending.setdefault(path, []).append(job)
         self._jobs.put(job)
+
+    def save_part(self, step: int, state: Any) -> None:
+        """A member's part of the save of ``step`` (global rank 0's session saves the same
+        step, and writes its pointer once every rank's part has committed)."""
+        self.raise_error()
+        handle = self.manager.save(step, state)
+        self._taken.add(step)
+        self._jobs.put(_Save(None, None, handle))
 
     def remove(self, path: str) -> None:
         """Remove the checkpoint at ``path``: its pointer now, its aiockpt checkpoint once no
@@ -310,6 +346,9 @@ class Session:
     def _commit(self, job: _Save) -> None:
         """Wait for the save to commit, then write its pointer (or, if its path was removed
         meanwhile, delete the checkpoint)."""
+        if job.path is None or job.pointer is None:
+            job.handle.result()  # a member's part: nothing more to do here
+            return
         try:
             job.handle.result()
         except BaseException:
@@ -329,6 +368,7 @@ class Session:
             self._forget(os.path.dirname(job.path), old.step)
 
     def _unpend(self, job: _Save) -> None:
+        assert job.path is not None
         jobs = self._pending[job.path]
         jobs.remove(job)
         if not jobs:

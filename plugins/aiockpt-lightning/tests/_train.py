@@ -3,12 +3,14 @@ step-wise learning-rate schedule, checkpointed through AiockptCheckpointIO.
 
 Importable (``run``) and runnable in a fresh process::
 
-    python _train.py ROOT DIRPATH MAX_STEPS CKPT_PATH|- OUT.json [STRATEGY DEVICES]
+    python _train.py ROOT DIRPATH MAX_STEPS CKPT_PATH|- OUT.json [STRATEGY DEVICES [HIDDEN]]
 
 which writes the run's record (losses, final weights and optimizer state, each float as
-``float.hex``, exact) to OUT.json, from global rank 0. With STRATEGY ``ddp`` Lightning starts
-the other ranks by running this script again; with ``ddp_spawn`` it spawns them. Every rank
-trains on the same batches, so a run on several CPU processes computes what one process does.
+``float.hex``, exact) to OUT.json, from global rank 0. With STRATEGY ``ddp`` or ``fsdp``
+(AiockptFSDPStrategy) Lightning starts the other ranks by running this script again; with
+``ddp_spawn`` it spawns them. Every rank trains on the same batches, so a run on several CPU
+processes computes what one process does. HIDDEN > 0 puts a hidden layer of that width in the
+model (so that FSDP has parameters to split between the ranks).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from aiockpt_lightning import AiockptCheckpointIO
+from aiockpt_lightning import AiockptCheckpointIO, AiockptFSDPStrategy
 
 BATCHES = 8  # per epoch
 BATCH_SIZE = 8
@@ -47,12 +49,19 @@ class Batches:
 
 
 class Tiny(L.LightningModule):
-    """A Linear regression that records each step's loss."""
+    """A Linear regression (with ``hidden`` > 0, a hidden tanh layer of that width) that
+    records each step's loss."""
 
-    def __init__(self, lr: float = 0.05) -> None:
+    def __init__(self, lr: float = 0.05, hidden: int = 0) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.net = torch.nn.Linear(4, 1)
+        self.net: torch.nn.Module = (
+            torch.nn.Sequential(
+                torch.nn.Linear(4, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1)
+            )
+            if hidden
+            else torch.nn.Linear(4, 1)
+        )
         self.losses: dict[int, float] = {}
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -107,6 +116,7 @@ def run(
     callbacks: Sequence[Callback] | None = None,
     strategy: str = "auto",
     devices: int = 1,
+    hidden: int = 0,
 ) -> dict[str, Any]:
     """Fit Tiny (saving every 4 steps, all kept, and last.ckpt); the run's record, as global
     rank 0 saw it."""
@@ -116,8 +126,10 @@ def run(
         ]
     kept = Keep()
     torch.manual_seed(0)
-    model = Tiny()
-    fit = trainer(AiockptCheckpointIO(root), max_steps, [*callbacks, kept], strategy, devices)
+    model = Tiny(hidden=hidden)
+    fit = trainer(
+        AiockptCheckpointIO(root), max_steps, [*callbacks, kept], _strategy(strategy), devices
+    )
     fit.fit(model, train_dataloaders=Batches(), ckpt_path=ckpt_path)
     return kept.record
 
@@ -132,11 +144,12 @@ class Keep(Callback):
         self.record: dict[str, Any] = {}
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Take the record on global rank 0."""
+        """Take the record on global rank 0 (under FSDP, every rank helps gather it)."""
+        assert isinstance(pl_module, Tiny)
+        taken = record(pl_module, trainer)
         if not trainer.is_global_zero:
             return
-        assert isinstance(pl_module, Tiny)
-        self.record = record(pl_module, trainer)
+        self.record = taken
         if self.out is not None:
             with open(self.out, "w") as f:
                 json.dump(self.record, f)
@@ -147,33 +160,58 @@ def _hex(t: torch.Tensor) -> list[str]:
 
 
 def record(model: Tiny, fit: L.Trainer) -> dict[str, Any]:
-    """Losses by step, the final weights and the optimizer's state, exact."""
+    """Losses by step, the final weights and the optimizer's state, exact. Under FSDP the
+    full state is gathered (every rank takes part) and the optimizer's state keyed by each
+    parameter's index, as a plain optimizer's is."""
     opt = fit.optimizers[0]
+    if isinstance(fit.strategy, AiockptFSDPStrategy):
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True)
+        weights = get_model_state_dict(fit.strategy.model, options=options)
+        optim: Any = get_optimizer_state_dict(fit.strategy.model, opt, options=options)
+        index = {name: i for i, name in enumerate(optim["param_groups"][0]["params"])}
+        per_index = {index[name]: s for name, s in optim["state"].items()}
+    else:
+        weights = model.state_dict()
+        per_index = opt.state_dict()["state"]
     state = {
-        f"{i}/{k}": _hex(v)
-        for i, per_param in opt.state_dict()["state"].items()
-        for k, v in per_param.items()
+        f"{i}/{k}": _hex(v) for i, per_param in per_index.items() for k, v in per_param.items()
     }
     return {
         "losses": {str(step): loss.hex() for step, loss in sorted(model.losses.items())},
-        "weights": {k: _hex(v) for k, v in model.state_dict().items()},
-        "optimizer": state,
+        "weights": {k: _hex(v) for k, v in weights.items()},
+        "optimizer": dict(sorted(state.items())),
         "lr": float(opt.param_groups[0]["lr"]).hex(),
         "global_step": fit.global_step,
     }
+
+
+def _strategy(name: str) -> Any:
+    """The Trainer's strategy argument for ``name`` (``fsdp``: the plugin's FSDP strategy)."""
+    return AiockptFSDPStrategy() if name == "fsdp" else name
 
 
 def main(argv: Sequence[str]) -> None:
     """The command line (see the module's docstring)."""
     root, dirpath, max_steps, ckpt, out, *rest = argv
     strategy, devices = (rest[0], int(rest[1])) if rest else ("auto", 1)
+    hidden = int(rest[2]) if len(rest) > 2 else 0
     callbacks = [
         ModelCheckpoint(dirpath=dirpath, every_n_train_steps=4, save_top_k=-1, save_last=True),
         Keep(os.path.abspath(out)),
     ]
     torch.manual_seed(0)
-    fit = trainer(AiockptCheckpointIO(root), int(max_steps), callbacks, strategy, devices)
-    fit.fit(Tiny(), train_dataloaders=Batches(), ckpt_path=None if ckpt == "-" else ckpt)
+    fit = trainer(
+        AiockptCheckpointIO(root), int(max_steps), callbacks, _strategy(strategy), devices
+    )
+    fit.fit(
+        Tiny(hidden=hidden), train_dataloaders=Batches(), ckpt_path=None if ckpt == "-" else ckpt
+    )
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from typing import Any
 
 import _train
 import pytest
+import torch
 from test_lightning import committed_steps, pointers
 
 from aiockpt_lightning import SAVES_PER_GLOBAL_STEP
@@ -109,3 +110,20 @@ def test_opening_puts_last_ckpt_right_before_anything_is_loaded(
     with pytest.raises(FileNotFoundError):
         io.load_checkpoint(ckpts / "epoch=2-step=20.ckpt")
     assert committed_steps(root) == sorted(pointers(ckpts).values())
+
+
+def test_a_step_deleted_by_recovery_is_not_reused_by_the_session(
+    tmp_path: Path, plugin: Any
+) -> None:
+    root, ckpts = tmp_path / "root", tmp_path / "ckpts"
+    checkpoint = {"global_step": 4, "epoch": 0, "w": torch.ones(2)}
+    io = plugin(root)
+    io.save_checkpoint(checkpoint, ckpts / "a.ckpt")
+    io.teardown()
+    (ckpts / "a.ckpt").unlink()  # a removal cut short: a checkpoint no pointer names
+
+    io = plugin(root)
+    io.save_checkpoint(checkpoint, ckpts / "b.ckpt")  # opening deletes step 4000 first
+    io.teardown()
+    assert pointers(ckpts) == {"b.ckpt": 4 * K + 1}
+    assert committed_steps(root) == [4 * K + 1]

@@ -1,5 +1,6 @@
-"""The daemon's hold on its root's lease: taken at start, renewed in the background, checked
-before every commit and deletion (see :mod:`aiockpt._core.lease` for the files)."""
+"""A writer's hold on its root's lease: taken at start, renewed in the background, checked
+before every commit and deletion (see :mod:`aiockpt._core.lease` for the files). The daemon
+holds one for its manager's run; ``aiockpt copy`` one for the destination, while it writes."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from .._core.lease import (
+from ..errors import CheckpointError, LeaseLostError, RootLockedError
+from ..storage import Storage
+from .lease import (
     DRAINING,
     GONE,
     LEASE_DIR,
@@ -23,9 +26,7 @@ from .._core.lease import (
     read_current,
     supersedes,
 )
-from .._core.protocol import LeaseGrant, LeaseSpec
-from ..errors import CheckpointError, LeaseLostError, RootLockedError
-from ..storage import Storage
+from .protocol import LeaseGrant, LeaseSpec
 
 #: The part of its TTL that a writer trusts its lease for, by its own clock, after each renewal:
 #: a commit checked with a quarter of the TTL left (7.5 s by default) still lands before a

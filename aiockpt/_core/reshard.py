@@ -13,7 +13,7 @@ the one range of the chunk that holds them. Only that range is read:
 Every byte used is checked. Where the overlap is one run (FSDP's dim-0 sharding, however the
 rows are redistributed) a chunk's read exceeds what is used by at most one block at each end;
 where it is strided (a dim-1 chunk read into dim-0 boxes) the one range also spans the gaps
-between the runs, which costs bytes but keeps it one request. Checksums run on the daemon's
+between the runs, which costs bytes but keeps it one request. Checksums run on the caller's
 pool while the next chunk is read.
 """
 
@@ -26,11 +26,11 @@ from typing import Protocol
 
 import crc32c
 
-from .._core import dtable
-from .._core.chunks import Chunk, Run, byte_span, read_plan, scatter
-from .._core.dtypes import DTYPE_SIZES
-from .._core.protocol import Wanted
 from ..errors import CorruptCheckpointError, LoadMismatchError
+from . import dtable
+from .chunks import Chunk, Run, byte_span, read_plan, scatter
+from .dtypes import DTYPE_SIZES
+from .protocol import Wanted
 
 #: Where the bytes of a shard file are read: ``read(shard_file, offset, out)``.
 ReadInto = Callable[[str, int, memoryview], None]
