@@ -387,6 +387,27 @@ async def global_keys(rank: int, world: int, root: str) -> dict:
     return result
 
 
+async def replace_and_delete(rank: int, world: int, root: str) -> dict:
+    """save(overwrite=True) and delete() on every rank of a multi-rank run."""
+    out: dict = {}
+    async with AsyncCheckpointManager(root, dist_timeout=60) as mgr:
+        for step in (1, 2):
+            await (await mgr.save(step, {"own": torch.full((4,), float(rank + step))}))
+        await (await mgr.save(2, {"own": torch.full((4,), 10.0 + rank)}, overwrite=True))
+        out["replaced"] = (await mgr.load(2))["own"].tolist()
+        step_dir = os.path.join(root, f"step_{2:012d}")
+        out["files"] = sorted(f for f in os.listdir(step_dir) if f.endswith(".safetensors"))
+        try:
+            await mgr.delete(2)  # the newest: refused on every rank
+            out["newest"] = None
+        except Exception as e:
+            out["newest"] = err(e)
+        await mgr.delete(1)
+        out["steps"] = await mgr.steps()
+        out["on_disk"] = sorted(d for d in os.listdir(root) if d.startswith("step_"))
+    return out
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
@@ -400,6 +421,7 @@ SCENARIOS = {
         key_orders,
         dead_rank,
         global_keys,
+        replace_and_delete,
     )
 }
 

@@ -283,3 +283,19 @@ def test_grafting_leaves_the_manifest_trees_as_they_were(global_keys):
     assert borrowed["both/v"].covering(borrowed["both/v"].box)[0].shard == m.shard_of(1).file
     with pytest.raises(LoadMismatchError, match=r"'diff'.*ranks 0, 1"):
         graft(m, 2, m.trees[2], ["diff"])
+
+
+def test_overwrite_and_delete_on_every_rank(tmp_path):
+    """save(overwrite=True) on every rank replaces the step (the old shards swept), and
+    delete() on every rank deletes through rank 0's daemon; the newest step is refused on
+    every rank, as the same error."""
+    root = str(tmp_path / "run")
+    r0, r1 = run_ranks("replace_and_delete", 2, tmp_path, root, timeout=90)
+    for rank, r in enumerate((r0, r1)):
+        assert r["replaced"] == [10.0 + rank] * 4
+        assert len(r["files"]) == 2  # one shard a rank: the replaced ones are gone
+        assert r["newest"]["type"] == "InvalidStepError", r
+        assert r["steps"] == [2]
+        assert r["on_disk"] == [f"step_{2:012d}"]
+    assert "allow_latest" in r0["newest"]["message"]
+    assert "failed on rank 0" in r1["newest"]["message"]

@@ -98,8 +98,10 @@ class Coordinator:
         part: Part,
         metrics: dict[str, Any],
         metadata: dict[str, Any],
+        replacing: bool = False,
     ) -> float:
-        """Publish this rank's part and return the commit time once the manifest is written."""
+        """Publish this rank's part and return the commit time once the manifest is written
+        (``replacing``: over a committed step's, atomically: ``save(overwrite=True)``)."""
         deadline = time.monotonic() + self.timeout
         with self._store_failures(step):
             if self.rank != 0:
@@ -122,10 +124,12 @@ class Coordinator:
                 ranks = list(range(self.world_size))
                 self.via.abort(step, uuid, ranks, f"step {step}: {e}")
                 raise DistributedSaveError(f"step {step}: {e}", ranks=ranks) from None
-            self.fence(f"commit step {step}")
-            publish_manifest(
-                self.storage, f"{fmt.step_dirname(step)}/{fmt.MANIFEST}", manifest, step
-            )
+            self.fence(f"{'replace' if replacing else 'commit'} step {step}")
+            path = f"{fmt.step_dirname(step)}/{fmt.MANIFEST}"
+            if replacing:
+                self.storage.put_atomic(path, manifest)
+            else:
+                publish_manifest(self.storage, path, manifest, step)
             self.via.committed(step, uuid)
             return created_at
 

@@ -253,10 +253,22 @@ class HostCoordinator(Coordinator):
         self._last: list[str] = []  # the keys of the last save, rank 0's to delete
 
     def commit(
-        self, *, step: int, uuid: str, part: Part, metrics: dict[str, Any], metadata: dict[str, Any]
+        self,
+        *,
+        step: int,
+        uuid: str,
+        part: Part,
+        metrics: dict[str, Any],
+        metadata: dict[str, Any],
+        replacing: bool = False,
     ) -> float:
         created_at = super().commit(
-            step=step, uuid=uuid, part=part, metrics=metrics, metadata=metadata
+            step=step,
+            uuid=uuid,
+            part=part,
+            metrics=metrics,
+            metadata=metadata,
+            replacing=replacing,
         )
         key = StoreRendezvous.key(uuid, "manifest")
         path = manifest_path(step)

@@ -154,12 +154,13 @@ def read_base(storage: Storage, step: int, shard: fmt.ShardRecord) -> Base:
         return Base.empty()
 
 
-def swept(catalog: Catalog, step: int, name: str) -> None:
-    """After ``step`` was replaced by a manifest naming the shard ``name``: remove the
-    replaced attempt's files, but for those a kept step reads (see Catalog.sweep_replaced).
-    A failure leaves them, unreferenced, for the step's next deletion."""
+def swept(catalog: Catalog, step: int, names: list[str] | None) -> None:
+    """After ``step`` was replaced by a manifest naming the shards ``names`` (read from it
+    when None): remove the replaced attempt's files, but for those a kept step reads (see
+    Catalog.sweep_replaced). A failure leaves them, unreferenced, for the step's next
+    deletion."""
     with contextlib.suppress(Exception):
-        catalog.sweep_replaced(step, [name])
+        catalog.sweep_replaced(step, names)
 
 
 class Writer:
@@ -247,8 +248,8 @@ class Writer:
             part = Part(self.rank, shard, tensors, tree, dtensors)
             created_at = self._commit(req, part, replacing=replacing)
             made_dir, written_path = False, None  # committed: the manifest refers to it now
-            if replacing:
-                swept(self.catalog, req.step, name)
+            if replacing and self.rank == 0:  # on several ranks, rank 0 knows every name
+                swept(self.catalog, req.step, None if self.coord is not None else [name])
             if base is not None:
                 self.base = base  # the next save refers to what this one committed
             self.pruner.committed(CheckpointRecord(req.step, created_at, dict(req.metrics)))
@@ -399,12 +400,17 @@ class Writer:
 
     def _commit(self, req: SaveReq, part: Part, *, replacing: bool = False) -> float:
         """Publish the manifest (with the other ranks' parts, on several); its commit time.
-        ``replacing``: replace a committed step's (one rank only: the trainer refuses more)."""
+        ``replacing``: replace a committed step's manifest (see publish)."""
         if self.coord is not None:
             if self.rank != 0:
                 self._fence(req, f"publish rank {self.rank}'s part of step {req.step}")
             return self.coord.commit(
-                step=req.step, uuid=req.uuid, part=part, metrics=req.metrics, metadata=req.metadata
+                step=req.step,
+                uuid=req.uuid,
+                part=part,
+                metrics=req.metrics,
+                metadata=req.metadata,
+                replacing=replacing,
             )
         created_at = time.time()
         manifest = merge(

@@ -5,11 +5,12 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid as uuid_mod
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import anyio
 
+from .. import errors
 from .._core import format as fmt
 from .._core.protocol import DeleteReq, SaveReq, WindowReady
 from .._core.windows import cut_windows, least_capacity
@@ -71,10 +72,6 @@ class Saver:
         try:  # all input is checked before anything is staged
             if not isinstance(overwrite, bool):
                 raise TypeError(f"overwrite must be a bool, not {type(overwrite).__name__}")
-            if overwrite and group is not None and group.world_size > 1:
-                raise InvalidStepError(
-                    "overwrite=True replaces a step of a one-rank manager only, for now"
-                )
             self._ledger.check_step(step, overwrite=overwrite)
             clean = clean_metrics(metrics), clean_metadata(metadata)
             flat = self._flattener.flatten(state)
@@ -121,12 +118,16 @@ class Saver:
         check_step_number(step)
         if not isinstance(allow_latest, bool):
             raise TypeError(f"allow_latest must be a bool, not {type(allow_latest).__name__}")
-        if group is not None and group.world_size > 1:
-            raise InvalidStepError("delete() deletes steps of a one-rank manager only, for now")
+        if group is None or group.world_size == 1:
+            await self._delete(step, allow_latest)
+        else:
+            await deleted_by_rank_0(group, step, allow_latest, self._delete)
+        self._ledger.committed.discard(step)
+
+    async def _delete(self, step: int, allow_latest: bool) -> None:
         d = await self._daemons.live()
         request: Any = d.request  # (DeleteReq is answered by the writer, after the saves)
         await request(DeleteReq, step=step, allow_latest=allow_latest)
-        self._ledger.committed.discard(step)
 
     async def _submit(
         self, group: _dist.Group | None, handle: SaveHandle, state: Any, *args: Any
@@ -312,3 +313,44 @@ class Saver:
                 f"block, or the header) is {need} bytes; give at least "
                 f"{2 * fmt.align_up(need) * self._pool.max_pending} bytes"
             ) from None
+
+
+async def deleted_by_rank_0(
+    group: _dist.Group,
+    step: int,
+    allow_latest: bool,
+    delete: Callable[[int, bool], Awaitable[None]],
+) -> None:
+    """A ``delete()`` on several ranks, each of which calls it: the ranks agree on what to
+    delete, rank 0's daemon deletes it (as it applies retention, once for everyone), and its
+    outcome is every rank's: its error raised on every rank, as the same class."""
+    asked = group.all_gather((step, allow_latest), f"the ranks' agreement on delete({step})")
+    if len(set(asked)) != 1:
+        raise InvalidStepError(
+            "every rank must delete the same step: "
+            + ", ".join(
+                f"rank {r}: delete({s}, allow_latest={a})" for r, (s, a) in enumerate(asked)
+            )
+        )
+    error: Exception | None = None
+    if group.rank == 0:
+        try:
+            await delete(step, allow_latest)
+        except Exception as e:  # told to the others before it is raised
+            error = e
+    said = None if error is None else (type(error).__name__, str(error))
+    told = group.all_gather(said, f"the outcome of delete({step})")[0]
+    if error is not None:
+        raise error
+    if told is not None:
+        raise _as_raised_on_rank_0(told[0], f"delete({step}) failed on rank 0: {told[1]}")
+
+
+def _as_raised_on_rank_0(kind: str, shown: str) -> CheckpointError:
+    """The error of aiockpt's class ``kind`` that rank 0 raised, for another rank to raise;
+    a plain CheckpointError for any other."""
+    cls = getattr(errors, kind, None)
+    if isinstance(cls, type) and issubclass(cls, CheckpointError):
+        with contextlib.suppress(TypeError):  # one whose constructor asks for more
+            return cls(shown)
+    return CheckpointError(f"{shown} ({kind})")
