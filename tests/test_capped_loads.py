@@ -17,7 +17,7 @@ from test_staging_cap import assert_equal, mixed_state
 
 from aiockpt import AsyncCheckpointManager
 from aiockpt._core import format as fmt
-from aiockpt._daemon.reader import cut_output
+from aiockpt._daemon.load.windows import cut_output
 from aiockpt.errors import CheckpointError, CorruptCheckpointError, StagingMemoryError
 
 MiB = 1 << 20

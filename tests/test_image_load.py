@@ -20,7 +20,7 @@ from aiockpt import AsyncCheckpointManager
 from aiockpt._core.catalog import Catalog
 from aiockpt._core.protocol import SlabRef
 from aiockpt._core.shm import Segment
-from aiockpt._daemon.reader import Reader
+from aiockpt._daemon.load import Reader
 from aiockpt._daemon.shared import Slabs
 from aiockpt._trainer.staging import make_layout
 from aiockpt._trainer.state import flatten

@@ -182,7 +182,7 @@ def test_collecting_a_load_never_answered_early_is_an_error(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
     from aiockpt._core.catalog import Catalog
-    from aiockpt._daemon.reader import Reader
+    from aiockpt._daemon.load import Reader
     from aiockpt._daemon.shared import Slabs
     from aiockpt.errors import CheckpointError
     from aiockpt.storage import open_storage
@@ -212,7 +212,7 @@ def test_a_read_into_a_lent_slab_starts_before_its_answer_is_built():
     """The read ahead runs while the answer is made; collecting gives its outcome."""
     import threading
 
-    from aiockpt._daemon.reader import _Early
+    from aiockpt._daemon.load.answer import _Early
 
     started = threading.Event()
 
@@ -238,7 +238,7 @@ def test_a_read_started_ahead_is_waited_for_when_its_answer_cannot_be_made():
     import threading
     import time
 
-    from aiockpt._daemon.reader import _Early
+    from aiockpt._daemon.load.answer import _Early
     from aiockpt.errors import CheckpointError
 
     finished = []
@@ -266,7 +266,7 @@ def test_a_read_started_ahead_is_waited_for_when_its_answer_cannot_be_made():
 def test_a_read_not_ahead_waits_for_its_answer_to_be_sent():
     """A read into a new segment is made only once the answer is out (the trainer faults
     the segment in alongside it); one whose answer could not be sent is never made."""
-    from aiockpt._daemon.reader import _Early
+    from aiockpt._daemon.load.answer import _Early
 
     reads = []
     early = _Early()
@@ -289,7 +289,7 @@ def test_a_warmed_load_finds_its_manifest_parsed_and_checked(tmp_path, monkeypat
 
     from aiockpt._core import format as fmt
     from aiockpt._core.catalog import Catalog
-    from aiockpt._daemon.reader import Reader
+    from aiockpt._daemon.load import Reader
     from aiockpt._daemon.shared import Slabs
     from aiockpt.errors import CheckpointNotFoundError
     from aiockpt.storage import open_storage

@@ -313,7 +313,7 @@ def test_streamed_windows_hold_every_byte_and_find_any_flipped_one(varied, pages
 
     from aiockpt._core.catalog import Catalog
     from aiockpt._core.shm import Segment
-    from aiockpt._daemon.reader import Reader
+    from aiockpt._daemon.load import Reader
     from aiockpt._daemon.shared import Slabs
     from aiockpt.storage import LocalStorage
 

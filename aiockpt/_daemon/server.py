@@ -58,9 +58,9 @@ from ..storage import CountingStorage, Storage, open_storage
 from . import hfread
 from .coord import Coordinator, no_fence
 from .lease import LeaseKeeper
+from .load import Reader
 from .pipe import Outbox, remote_error
 from .prune import Pruner
-from .reader import Reader
 from .rendezvous import StoreRendezvous
 from .shared import InFlight, Slabs, Windows
 from .writer import Writer
