@@ -178,7 +178,8 @@ def test_a_tensor_copied_in_place_and_handed_over_loads_in_windows(tmp_path) -> 
 def test_placeholders_name_the_tensor_a_source_is_cut_from() -> None:
     """A plan against placeholders gets back views of them: each is named by where its bytes
     lie, an empty tensor sharing its start with the next never taken for it."""
-    from aiockpt._trainer.loading import _Placeholders, views
+    from aiockpt._trainer.load.views import views
+    from aiockpt._trainer.load.windows import _Placeholders
 
     specs = {
         "a": ("F32", (4, 6), 0),

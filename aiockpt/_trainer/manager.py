@@ -6,7 +6,7 @@ The manager is a facade: it opens and closes, and hands each call to the part th
 - supervisor.py: a live daemon at all times, and what a daemon's death means for saves
 - ledger.py: the saves given out (SaveHandle) and the steps taken
 - mirror.py: what the daemon holds of the trainer's caches
-- saving.py, loading.py: the save and load paths; sigterm.py: on_sigterm="flush"
+- saving.py, load/: the save and load paths; sigterm.py: on_sigterm="flush"
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from .client import DaemonCallbacks, DaemonClient, SubprocessClient
 from .dist import resolve_group
 from .hfload import SafetensorsLoading
 from .ledger import Ledger, SaveHandle, check_loop, loop_token
-from .loading import Loader, check_keys
+from .load import Loader, check_keys
 from .mirror import DaemonMirror
 from .saving import Saver
 from .sigterm import SigtermFlush, require_main_thread
