@@ -182,6 +182,7 @@ def test_collecting_a_load_never_answered_early_is_an_error(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
     from aiockpt._core.catalog import Catalog
+    from aiockpt._core.protocol import CollectReq
     from aiockpt._daemon.load import Reader
     from aiockpt._daemon.shared import Slabs
     from aiockpt.errors import CheckpointError
@@ -190,7 +191,7 @@ def test_collecting_a_load_never_answered_early_is_an_error(tmp_path):
     with ThreadPoolExecutor(1) as pool:
         reader = Reader(Catalog(open_storage(str(tmp_path))), Slabs(), pool)
         with pytest.raises(CheckpointError, match="no load named 'x' was answered early"):
-            reader.load(None, 0, collect="x")
+            reader.collect(CollectReq(0, "x"))
 
 
 class _FakePlan:
@@ -289,6 +290,7 @@ def test_a_warmed_load_finds_its_manifest_parsed_and_checked(tmp_path, monkeypat
 
     from aiockpt._core import format as fmt
     from aiockpt._core.catalog import Catalog
+    from aiockpt._core.protocol import LoadAsk, LoadReq
     from aiockpt._daemon.load import Reader
     from aiockpt._daemon.shared import Slabs
     from aiockpt.errors import CheckpointNotFoundError
@@ -320,7 +322,7 @@ def test_a_warmed_load_finds_its_manifest_parsed_and_checked(tmp_path, monkeypat
         assert (len(parsed), len(checked)) == (1, 1)
         m = reader.catalog.read_manifest(3, lazy=True)
         assert m.tensors[m.shard_of(0).file]._all is not None  # every record checked
-        reply = reader.load(None, 0)
+        reply = reader.load(LoadReq(0, LoadAsk(None, 0, 1)))
         assert (len(parsed), len(checked)) == (1, 1)  # nothing parsed or checked again
         assert set(reply.tensors) == set(state)
         with pytest.raises(CheckpointNotFoundError, match="step 4 is not a committed"):

@@ -15,6 +15,11 @@ The conversation:
   answered by a ``SlabFree`` once the daemon has written its bytes.
 - A :class:`ReadReq` (steps, records, load, …) goes to the daemon's reader and is answered by
   one :class:`Reply` with the same ``id``, whose ``value`` is the request's reply type.
+- A load is one :class:`ReadReq` per mode, each naming what it reads by a :class:`LoadAsk`:
+  :class:`LoadReq` (into a lent slab or a fresh segment), :class:`CappedLoadReq` then
+  :class:`CappedWindowReq` per window (in windows, every checksum checked first),
+  :class:`StreamReq` then :class:`StreamWindowReq` per window (each checked as it is read),
+  and :class:`CollectReq` for the end of a load answered early.
 - :class:`EventMsg` carries the daemon's events up, in order; :class:`Stop` asks it to finish
   what is queued and exit.
 
@@ -29,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: Bumped on any change to these messages; checked by both ends in the handshake.
-PROTOCOL = 15
+PROTOCOL = 16
 
 #: How a loaded tensor lies in shared memory: (safetensors dtype, shape, byte offset).
 TensorAt = tuple[str, tuple[int, ...], int]
@@ -252,7 +257,7 @@ class WarmReq(ReadReq):
     """Ready what a load of ``rank``'s tensors of ``step`` (latest when None) will check, and
     read nothing else: the manifest read and parsed, the shard's records and the rank's tree
     checked (value: None). Sent as a load(into=) starts, the daemon does this while the
-    trainer walks its target; the LoadReq after it finds it done (the catalog keeps a
+    trainer walks its target; the load after it finds it done (the catalog keeps a
     manifest parsed while its bytes stay the same) and raises any error it meets."""
 
     step: int | None
@@ -269,15 +274,13 @@ class SlabRef:
 
 
 @dataclass(frozen=True, slots=True)
-class LoadReq(ReadReq):
-    """Read and verify ``rank``'s tensors of ``step`` (latest when None) into shared memory:
-    into ``slab`` when it is large enough, else a new segment the trainer takes over (value:
-    a :class:`LoadReply`)."""
+class LoadAsk:
+    """What a load reads: ``rank``'s tensors of ``step`` (latest when None), read by a
+    process of a ``world_size``-rank job."""
 
     step: int | None
     rank: int
     world_size: int
-    slab: SlabRef | None = None
     #: Per distributed tensor restored into a DTensor, what that target wants; every other
     #: saved distributed tensor is read whole.
     wanted: dict[str, Wanted] | None = None
@@ -285,36 +288,82 @@ class LoadReq(ReadReq):
     #: ``select_required``, a key path that names nothing is an error.
     select: tuple[str, ...] | None = None
     select_required: bool = True
-    #: A load staged in windows (``staging_memory``): its bytes pass through ``slab`` at most
-    #: this many at a time. With ``part`` None, every window is read and checked and the
-    #: reply says where each tensor lies in the whole load and what the windows are; with
-    #: ``part`` i, window i is read into the slab from its start (the reply's ``tensors`` and
-    #: ``tree`` are then empty).
-    window: int = 0
-    part: int | None = None
-    #: A name for this load (``load.start``'s uuid): with a slab large enough, or in windows
-    #: with ``part`` None, the reply says where each tensor will lie before a byte is read
-    #: (``LoadReply.pending``) and the daemon reads them (in windows: the checking pass) right
-    #: after, so the trainer plans its restore meanwhile; a LoadReq with
-    #: ``collect`` set to the same name then answers once they are read and verified, or
-    #: raises what failed (its reply's ``tensors`` and ``tree`` are empty).
+    #: The key paths of the target restored into (its dicts walked): in a multi-rank
+    #: checkpoint, those at which the rank saved nothing are read from the ranks that did (a
+    #: full state saved by rank 0 alone, say). ``select``, when given, is asked instead.
+    asked: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReq(ReadReq):
+    """Read and verify what ``ask`` names into shared memory: into ``slab`` when it is large
+    enough, else a new segment the trainer takes over (value: a :class:`LoadReply`)."""
+
+    ask: LoadAsk
+    slab: SlabRef | None = None
+    #: A name for this load (``load.start``'s uuid): the reply says where each tensor will
+    #: lie before a byte is read (``LoadReply.pending``) and the daemon reads them right
+    #: after, so the trainer plans its restore meanwhile; a :class:`CollectReq` of the same
+    #: name then answers once they are read and verified, or raises what failed.
     early: str | None = None
-    collect: str | None = None
     #: The length and sha256 of the safetensors header of the layout ``slab`` holds for the
     #: state restored into: when the shard's head is that header and the load reads every
     #: tensor of the shard, answered early, the daemon reads the tensors into the slab
     #: where the file has them, so that they lie where the slab's views of that layout
     #: are, and says so (``LoadReply.image``) instead of where each tensor lies.
     image: tuple[int, bytes] | None = None
-    #: A name for a load in windows copied as each is read (``load(into=..., atomic=False)``):
-    #: with ``part`` None the reply says where each tensor lies and what the windows are, and
-    #: nothing is read; the windows are then asked for in order under the same name, each
-    #: checked as it is read (a tensor cut by windows once its last is in).
-    stream: str | None = None
-    #: The key paths of the target restored into (its dicts walked): in a multi-rank
-    #: checkpoint, those at which the rank saved nothing are read from the ranks that did (a
-    #: full state saved by rank 0 alone, say). ``select``, when given, is asked instead.
-    asked: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CappedLoadReq(ReadReq):
+    """A load through ``slab`` in windows of at most ``window`` bytes (``staging_memory``):
+    every window read and checked, the reply saying where each tensor lies in the whole
+    load and what the windows are; with ``early``, it comes first (see LoadReq.early)."""
+
+    ask: LoadAsk
+    slab: SlabRef
+    window: int
+    early: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CappedWindowReq(ReadReq):
+    """Window ``part`` of the :class:`CappedLoadReq` of ``ask`` and ``window``, read into
+    ``slab`` from its start (the reply's ``tensors`` and ``tree`` are empty)."""
+
+    ask: LoadAsk
+    slab: SlabRef
+    window: int
+    part: int
+
+
+@dataclass(frozen=True, slots=True)
+class StreamReq(ReadReq):
+    """Start streamed load ``name`` (``load(into=..., atomic=False)``), in windows of at most
+    ``window`` bytes: nothing is read, the reply says where each tensor lies and what the
+    windows are, each then asked for in order by a :class:`StreamWindowReq`."""
+
+    ask: LoadAsk
+    window: int
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class StreamWindowReq(ReadReq):
+    """Window ``part`` of streamed load ``name``, read into ``slab`` from its start and
+    checked as it is read (a tensor cut by windows once its last is in)."""
+
+    name: str
+    slab: SlabRef
+    part: int
+
+
+@dataclass(frozen=True, slots=True)
+class CollectReq(ReadReq):
+    """The end of load ``name``, answered early: once its bytes are read and verified (the
+    reply's ``tensors`` and ``tree`` empty), or what failed."""
+
+    name: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,7 +383,7 @@ class LoadReply:
     url: str
     #: Bytes this load read from storage (plain tensors and the chunks of distributed ones).
     read_nbytes: int = 0
-    #: Key paths a selection left out of ``tree`` (see LoadReq.select).
+    #: Key paths a selection left out of ``tree`` (see LoadAsk.select).
     left_out: tuple[str, ...] = ()
     #: A load in windows: each window's byte range of the whole load.
     windows: tuple[tuple[int, int], ...] = ()

@@ -29,7 +29,6 @@ from .._core.protocol import (
     LeaseGrant,
     LeaseSpec,
     LoadReply,
-    LoadReq,
     RecordsReq,
     StepsReq,
     WarmReq,
@@ -40,7 +39,7 @@ from ..events import EventDispatcher, EventHandler, entry_point_handlers, logger
 from ..retention import CheckpointRecord, RetentionPolicy, best_order
 from . import checks
 from . import dist as _dist
-from .client import DaemonCallbacks, DaemonClient, SubprocessClient
+from .client import DaemonCallbacks, DaemonClient, LoadRequest, SubprocessClient
 from .dist import resolve_group
 from .hfload import SafetensorsLoading
 from .ledger import Ledger, SaveHandle, check_loop, loop_token
@@ -283,12 +282,10 @@ class AsyncCheckpointManager(SafetensorsLoading):
         req = {"step": step, "rank": self.rank, "world_size": self.world_size}
         await self._tg.start(_warming, self._daemons, req)
 
-    async def _read(self, **fields: Any) -> LoadReply:
-        """This rank's :class:`LoadReq` with ``fields``, answered by the live daemon."""
+    async def _read(self, kind: type[LoadRequest], **fields: Any) -> LoadReply:
+        """This rank's load request ``kind`` with ``fields``, answered by the live daemon."""
         d = await self._daemons.live()
-        reply: LoadReply = await d.request(
-            LoadReq, rank=self.rank, world_size=self.world_size, **fields
-        )
+        reply: LoadReply = await d.request(kind, **fields)
         return reply
 
     # ----------------------------------------------------------------- the API

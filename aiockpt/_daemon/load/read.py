@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -19,7 +19,6 @@ from ..._core.chunks import Chunk
 from ..._core.shm import Segment
 from ..._crc import combine
 from ..reshard import Assembler
-from .graft import Borrowed
 from .plan import _Plan, shard_of
 from .verify import LOAD_CHUNK, check_crcs, crc_of
 
@@ -101,17 +100,16 @@ def read_whole(
 def assemble(
     catalog: Catalog,
     pool: ThreadPoolExecutor,
-    m: fmt.Manifest,
-    step: int,
+    plan: _Plan,
     boxes: list[tuple[str, str, Chunk]],
     out_at: dict[str, int],
     seg: Segment,
-    borrowed: Mapping[str, Borrowed],
 ) -> Assembler | None:
-    """Fill each wanted box of a distributed tensor, or tensor ``borrowed`` from another
-    rank's shard, into ``seg`` at ``out_at``."""
+    """Fill each of ``boxes`` of ``plan``, of a distributed tensor or a tensor borrowed
+    from another rank's shard (``plan.borrowed``), into ``seg`` at ``out_at``."""
     if not boxes:
         return None
+    m, step, borrowed = plan.m, plan.step, plan.borrowed
     maps: dict[str, ShardMap] = {}
 
     def read(shard: str, offset: int, out: memoryview) -> None:

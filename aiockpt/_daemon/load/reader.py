@@ -9,6 +9,7 @@ lies.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -17,7 +18,17 @@ from ..._core import format as fmt
 from ..._core.blocks import ShardMap
 from ..._core.catalog import Catalog
 from ..._core.gc import no_gc
-from ..._core.protocol import LoadReply, SlabRef, Wanted
+from ..._core.protocol import (
+    CappedLoadReq,
+    CappedWindowReq,
+    CollectReq,
+    LoadAsk,
+    LoadReply,
+    LoadReq,
+    SlabRef,
+    StreamReq,
+    StreamWindowReq,
+)
 from ..._core.shm import Segment, unlink
 from ...errors import (
     CheckpointError,
@@ -56,7 +67,7 @@ class Reader:
         self.load_segments: set[str] = set()
         self.checks = _Checks(pool)
         self._known = _Known(self.storage)
-        #: The last load in windows checked whole, by its request's fields: the windows the
+        #: The last capped load, by what it asks and its window: the windows the
         #: trainer then asks for one at a time are read by the same plan, not planned again
         #: (listing the steps, reading the manifest, checking the shard, for each window).
         self._windowed: tuple[tuple[Any, ...], _Windowed] | None = None
@@ -65,62 +76,19 @@ class Reader:
         self._runs = _Runs()
 
     @no_gc
-    def load(
-        self,
-        step: int | None,
-        rank: int,
-        world_size: int = 1,
-        slab: SlabRef | None = None,
-        wanted: dict[str, Wanted] | None = None,
-        select: tuple[str, ...] | None = None,
-        *,
-        select_required: bool = True,
-        window: int = 0,
-        part: int | None = None,
-        early: str | None = None,
-        collect: str | None = None,
-        image: tuple[int, bytes] | None = None,
-        stream: str | None = None,
-        asked: tuple[str, ...] | None = None,
-    ) -> LoadReply:
-        """Read and verify a rank's tensors of ``step`` (the latest when None) into shared
-        memory: into the trainer's ``slab`` when given and large enough, else into a new
-        segment the trainer takes over. Distributed tensors come after the rank's plain
-        tensors: the box of each that ``wanted`` names, the whole of the others. With
-        ``select`` (key paths), only the values at or under those paths are read. The key
-        paths of ``select``, or else of ``asked`` (those of the target restored into), at
-        which a multi-rank checkpoint's tree of the rank holds nothing are read from the other
-        ranks' (see graft).
-
-        With ``window`` (bytes), the load's bytes pass through ``slab`` a window at a time
-        (see :func:`cut_output`): with ``part`` None every window is read and checked and
-        the reply says where each tensor lies in the whole and what the windows are; with
-        ``part`` i, window i is read into the slab, at its start.
-
-        With ``early`` (a name), the reply comes before the bytes are read (into the slab,
-        or a new segment without a slab large enough; in windows, with ``part`` None; see
-        :class:`_Early`); ``collect`` with that name answers once they are in (in windows:
-        every window read and checked); ``image``: see :func:`read_as_image`.
-
-        With ``stream`` (a name, and ``window``), ``part`` None reads nothing: the reply says
-        where each tensor lies and what the windows are, which the trainer then asks for in
-        order under the same name, each read and checked on its own, a tensor cut by windows
-        by its running crc32c once its last window is in."""
-        if collect is not None:
-            return self.early.collect(collect)
-        if stream is not None and part is not None:
-            return self._streams.part(stream, part, lambda w: self._load_windowed(w, slab, part))
-        key = (step, rank, world_size, wanted, select, select_required, window, asked)
-        if part is not None and self._windowed is not None and self._windowed[0] == key:
-            return self._load_windowed(self._windowed[1], slab, part)
-        plan = self._plan(step, rank, world_size, wanted, select, select_required, asked)
-        if window:
-            return self._windows(plan, key, slab, window, part, early, stream)
+    def load(self, req: LoadReq) -> LoadReply:
+        """Read and verify what ``req.ask`` names (see :meth:`_plan`) into shared memory:
+        into the trainer's ``slab`` when given and large enough, else into a new segment the
+        trainer takes over. With ``early`` (a name), the reply comes before the bytes are
+        read (see :class:`_Early`), and ``image`` may have them read as the file lies (see
+        :func:`read_as_image`)."""
+        plan = self._plan(req.ask)
+        slab, early = req.slab, req.early
         pooled = slab is not None and slab.size >= plan.size
         if slab is not None and pooled:
             seg = self.slabs.get(slab.name, slab.size)
             if early is not None:
-                plan, decide = read_as_image(plan, self.storage, image, slab.size)
+                plan, decide = read_as_image(plan, self.storage, req.image, slab.size)
                 fill = functools.partial(self.read_all, plan, seg)
                 return self.early.answer(early, plan, fill, ahead=True, decide=decide)
         else:
@@ -146,26 +114,81 @@ class Reader:
             read_nbytes=read,
         )
 
-    def _plan(
-        self,
-        step: int | None,
-        rank: int,
-        world_size: int,
-        wanted: dict[str, Wanted] | None,
-        select: tuple[str, ...] | None,
-        select_required: bool,
-        asked: tuple[str, ...] | None,
-    ) -> _Plan:
-        """What a load reads (see load), checked against the manifest."""
-        step, m, rank, shard, smap, where = self._shard(step, rank, world_size)
+    @no_gc
+    def capped(self, req: CappedLoadReq) -> LoadReply:
+        """A load whose bytes pass through ``req.slab`` a window at a time (see
+        :func:`cut_output`): every window read and checked, the reply saying where each
+        tensor lies in the whole and what the windows are; with ``early``, that reply first
+        and the windows read after it (collected by name). The plan is kept for the windows
+        asked for next (see :meth:`capped_window`)."""
+        windowed = self._capped(req.ask, req.window)
+        if req.early is not None:  # the checking pass, after the answer
+
+            def fill() -> int:
+                return self._load_windowed(windowed, req.slab, None).read_nbytes
+
+            plan = windowed.plan
+            return self.early.answer(req.early, plan, fill, None, windows=windowed.windows)
+        return self._load_windowed(windowed, req.slab, None)
+
+    @no_gc
+    def capped_window(self, req: CappedWindowReq) -> LoadReply:
+        """Window ``req.part`` of a capped load, read into ``req.slab`` at its start, by the
+        plan its :class:`CappedLoadReq` made when it is the last kept."""
+        kept = self._windowed
+        if kept is not None and kept[0] == (req.ask, req.window):
+            return self._load_windowed(kept[1], req.slab, req.part)
+        return self._load_windowed(self._capped(req.ask, req.window), req.slab, req.part)
+
+    def _capped(self, ask: LoadAsk, window: int) -> _Windowed:
+        """The plan of a capped load, cut into windows and kept by what it asks (its step
+        as resolved)."""
+        plan = self._plan(ask)
+        windowed = _Windowed.of(plan, window)
+        self._windowed = ((dataclasses.replace(ask, step=plan.step), window), windowed)
+        return windowed
+
+    @no_gc
+    def stream(self, req: StreamReq) -> LoadReply:
+        """Start streamed load ``req.name``: nothing is read, the reply says where each
+        tensor lies and what the windows are, which the trainer then asks for in order (see
+        :meth:`stream_window`)."""
+        plan = self._plan(req.ask)
+        windows = self._streams.start(req.name, _Windowed.of(plan, req.window, _Stream())).windows
+        return plan.reply(segment=None, tensors=plan.placed(), tree=plan.tree, windows=windows)
+
+    @no_gc
+    def stream_window(self, req: StreamWindowReq) -> LoadReply:
+        """Window ``req.part`` of streamed load ``req.name``, read into ``req.slab`` and
+        checked on its own, a tensor cut by windows by its running crc32c once its last
+        window is in."""
+        part = req.part
+        return self._streams.part(req.name, part, lambda w: self._load_windowed(w, req.slab, part))
+
+    @no_gc
+    def collect(self, req: CollectReq) -> LoadReply:
+        """The end of load ``req.name``, answered early: once its bytes are in (in windows:
+        every window read and checked), or what failed."""
+        return self.early.collect(req.name)
+
+    def _plan(self, ask: LoadAsk) -> _Plan:
+        """What a load of ``ask`` reads, checked against the manifest: ``ask.rank``'s tensors
+        of ``ask.step`` (the latest when None). Distributed tensors come after the rank's
+        plain tensors: the box of each that ``wanted`` names, the whole of the others. With
+        ``select`` (key paths), only the values at or under those paths are read. The key
+        paths of ``select``, or else of ``asked`` (those of the target restored into), at
+        which a multi-rank checkpoint's tree of the rank holds nothing are read from the
+        other ranks' (see graft)."""
+        select, world_size = ask.select, ask.world_size
+        step, m, rank, shard, smap, where = self._shard(ask.step, ask.rank, world_size)
         tree, borrowed = m.trees[rank], NOTHING
-        asked = select if select is not None else asked
+        asked = select if select is not None else ask.asked
         if asked and m.world_size > 1:
             tree, borrowed = graft(m, rank, tree, asked)
         left_out: list[str] = []
         if select is not None:
-            tree = _selected(tree, select, select_required, left_out)
-        records, boxes = _wanted(m, tree, shard, wanted, select is not None, borrowed)
+            tree = _selected(tree, select, ask.select_required, left_out)
+        records, boxes = _wanted(m, tree, shard, ask.wanted, select is not None, borrowed)
         if m.world_size != world_size:
             check_replicated(m, world_size, records)
         ranges = self._runs(records, where)
@@ -228,20 +251,9 @@ class Reader:
                 head = read_whole(self.storage, self.pool, self.checks.futures, seg, plan, known)
             else:
                 for (lo, hi, items), base in zip(plan.ranges, plan.bases, strict=True):
-                    self.checks.read_verified(
-                        self.storage, seg, plan.smap, items, (lo, hi), base, plan.where
-                    )
+                    self.checks.read_verified(self.storage, seg, plan, items, (lo, hi), base)
             self.checks.wait()
-            assembled = assemble(
-                self.catalog,
-                self.pool,
-                plan.m,
-                plan.step,
-                plan.boxes,
-                plan.out_at,
-                seg,
-                plan.borrowed,
-            )
+            assembled = assemble(self.catalog, self.pool, plan, plan.boxes, plan.out_at, seg)
         except CheckpointError as e:
             self.checks.wait(quiet=True)
             if (gone := deleted_under(self.catalog, plan.step, e)) is not e:
@@ -253,37 +265,9 @@ class Reader:
         read = head + sum(hi - lo for lo, hi, _ in plan.ranges)
         return read + (assembled.read_bytes if assembled else 0)
 
-    def _windows(
-        self,
-        plan: _Plan,
-        key: tuple[Any, ...],
-        slab: SlabRef | None,
-        window: int,
-        part: int | None,
-        early: str | None,
-        stream: str | None,
-    ) -> LoadReply:
-        """A load in windows (see load), planned: kept by its request's fields (``key``), or
-        by its name when streamed."""
-        if stream is not None:  # nothing read yet: the windows are asked for one at a time
-            windows = self._streams.start(stream, _Windowed.of(plan, window, _Stream())).windows
-            return plan.reply(segment=None, tensors=plan.placed(), tree=plan.tree, windows=windows)
-        windowed = _Windowed.of(plan, window)
-        self._windowed = ((plan.step, *key[1:]), windowed)
-        if early is not None and part is None:  # the checking pass, after the answer
-
-            def fill() -> int:
-                return self._load_windowed(windowed, slab, None).read_nbytes
-
-            return self.early.answer(early, plan, fill, None, windows=windowed.windows)
-        return self._load_windowed(windowed, slab, part)
-
-    def _load_windowed(
-        self, windowed: _Windowed, slab: SlabRef | None, part: int | None
-    ) -> LoadReply:
-        """A load through ``slab`` in windows (see load): all of them read and checked when
+    def _load_windowed(self, windowed: _Windowed, slab: SlabRef, part: int | None) -> LoadReply:
+        """A load through ``slab`` in windows (see capped): all of them read and checked when
         ``part`` is None, else window ``part`` read."""
-        assert slab is not None
         plan, windows, stream = windowed.plan, windowed.windows, windowed.stream
         seg = self.slabs.get(slab.name, slab.size)
         todo = range(len(windows)) if part is None else [part]

@@ -17,7 +17,7 @@ from ..._crc import Shifts
 from ...errors import (
     CorruptCheckpointError,
 )
-from .plan import Tensors
+from .plan import Tensors, _Plan
 
 #: The first read of a shard's header: enough for the header of a few hundred tensors.
 HEADER_PEEK = 64 * 1024
@@ -114,15 +114,15 @@ class _Checks:
         self,
         storage: Any,
         seg: Segment,
-        smap: ShardMap,
+        plan: _Plan,
         items: Tensors,
         span: tuple[int, int],
         base: int,
-        where: str,
     ) -> None:
-        """Read bytes ``span`` [lo, hi) of the shard into ``seg`` at ``base`` and start
-        checking the crc32c of each of ``items`` (the tensors in the range) as the read goes
-        by (see wait)."""
+        """Read bytes ``span`` [lo, hi) of ``plan``'s shard into ``seg`` at ``base`` and
+        start checking the crc32c of each of ``items`` (the tensors in the range) as the read
+        goes by (see wait)."""
+        smap, where = plan.smap, plan.where
         lo, hi = span
         by_end = sorted(items, key=lambda item: item[1].end)
         shift = lo - base  # a file offset minus this is its place in seg

@@ -31,7 +31,7 @@ MAX_STREAMS = 8
 
 @dataclasses.dataclass
 class _Stream:
-    """A streamed load's windows (see LoadReq.stream): the next one due, and the running
+    """A streamed load's windows (see StreamReq): the next one due, and the running
     crc32c of each tensor cut by the windows read so far."""
 
     next: int = 0
@@ -59,11 +59,17 @@ class _Windowed(NamedTuple):
 
 
 def _check_split(
-    seg: Segment, where: str, split: Tensors, shift: int, a: int, b: int, crcs: dict[str, int]
+    seg: Segment,
+    where: str,
+    split: Tensors,
+    shift: int,
+    window: tuple[int, int],
+    crcs: dict[str, int],
 ) -> None:
-    """Fold the bytes of each tensor of ``split`` that window [a, b) holds (in ``seg`` from
+    """Fold the bytes of each tensor of ``split`` that ``window`` [a, b) holds (in ``seg`` from
     its start; a file offset minus ``shift`` is its place there) into its running crc32c in
     ``crcs``; check a tensor's once its last bytes are in."""
+    a, b = window
     for name, r in split:
         lo, hi = max(r.start - shift, 0), min(r.end - shift, b - a)
         with seg.buf[lo:hi] as piece:
@@ -116,7 +122,7 @@ def cut_output(
 
 
 class _Streams:
-    """Streamed loads by name (see LoadReq.stream), from their first request to their last
+    """Streamed loads by name (see StreamReq), from their first request to their last
     window or a failure; beyond MAX_STREAMS the oldest goes first (a trainer that gave up on
     one, say when its target did not match)."""
 
@@ -174,18 +180,16 @@ def fill_window(
                 split.append((name, r))
         # Read in chunks, each one's whole tensors checked while the next is read.
         span = (lo + x - base, lo + y - base)
-        reader.checks.read_verified(reader.storage, seg, plan.smap, whole, span, x - a, plan.where)
+        reader.checks.read_verified(reader.storage, seg, plan, whole, span, x - a)
         read += y - x
         if crcs is not None:
-            _check_split(seg, plan.where, split, lo - base + a, a, b, crcs)
+            _check_split(seg, plan.where, split, lo - base + a, (a, b), crcs)
     inside = [
         (name, dtype, box) for name, dtype, box in plan.boxes if windowed.box_window[name] == index
     ]
     if inside:
         shifted = {name: plan.out_at[name] - a for name, _, _ in inside}
-        assembled = assemble(
-            reader.catalog, reader.pool, plan.m, plan.step, inside, shifted, seg, plan.borrowed
-        )
+        assembled = assemble(reader.catalog, reader.pool, plan, inside, shifted, seg)
         read += assembled.read_bytes if assembled else 0
     reader.checks.wait()
     return read

@@ -15,7 +15,7 @@ import anyio.lowlevel
 import torch
 
 from ..._core.gc import gc_paused
-from ..._core.protocol import LoadReply
+from ..._core.protocol import CollectReq, LoadAsk, LoadReply, LoadReq
 from .request import Read
 from .restore import unflatten
 from .views import map_loaded
@@ -54,10 +54,9 @@ async def while_read(read: Callable[[], Awaitable[R]], work: Callable[[], W]) ->
     return done[0], got[0]
 
 
-async def load_fresh(
-    lending: Read, step: int | None, keys: tuple[str, ...] | None
-) -> tuple[LoadReply, Any]:
-    """Load as new objects, in a segment the daemon makes and this process takes over.
+async def load_fresh(lending: Read, ask: LoadAsk) -> tuple[LoadReply, Any]:
+    """Load what ``ask`` names as new objects, in a segment the daemon makes and this
+    process takes over.
 
     The daemon answers before it reads (LoadReq.early): the segment is mapped and the
     values built while it reads, then handed back once every checksum has passed. What
@@ -65,7 +64,7 @@ async def load_fresh(
     viewing and rebuilding the tree take 60-90 ms, no longer after the read.
     """
     name = uuid_mod.uuid4().hex
-    reply = await lending(step=step, select=keys, early=name)
+    reply = await lending(LoadReq, ask=ask, early=name)
     later: list[tuple[torch.Tensor, torch.Tensor]] = []
     calls: list[Callable[[], object]] = []
 
@@ -85,5 +84,5 @@ async def collected(lending: Read, reply: LoadReply, name: str) -> LoadReply:
     """The outcome of load ``name``, answered early: ``reply`` as if answered late."""
     if not reply.pending:
         return reply
-    done = await lending(step=reply.step, collect=name)
+    done = await lending(CollectReq, name=name)
     return dataclasses.replace(reply, read_nbytes=done.read_nbytes, pending=False)

@@ -14,7 +14,7 @@ import anyio
 import anyio.lowlevel
 import torch
 
-from ..._core.protocol import LoadReply, SlabRef, Wanted
+from ..._core.protocol import CollectReq, LoadAsk, LoadReply, LoadReq, ReadReq, SlabRef, Wanted
 from ...errors import CheckpointError
 from ...events import logger
 from .. import dist as _dist
@@ -22,10 +22,17 @@ from ..ledger import Emit
 from ..staging import Layout, LayoutCache, Slab, SlabPool, copy_pairs
 from ..state import Flat, Flattener, StaleFlat
 from .early import collected, load_fresh, while_read
-from .request import Read
+from .request import Into, Read, Windowed
 from .restore import Restored
 from .restore_order import plan_restore
-from .targets import _check_step, _say_left_out, init_optimizer_states, target_paths, wanted_boxes
+from .targets import (
+    Target,
+    _check_step,
+    _say_left_out,
+    init_optimizer_states,
+    target_paths,
+    wanted_boxes,
+)
 from .views import _Later, image_views, map_loaded, views
 from .windows import _Windows, plan_while
 
@@ -68,7 +75,7 @@ class Loader:
             if step is not None:
                 _check_step(step)
             if into is None:
-                reply, result = await load_fresh(self._lending, step, keys)
+                reply, result = await load_fresh(self._lending, self._ask(step, select=keys))
                 agreement.checked(reply.step)
                 agreement.restored(reply.step)  # in step with ranks restoring into a target
             else:
@@ -80,9 +87,8 @@ class Loader:
                     # (see WarmReq): 0.1 s of a process's first load at 20k tensors, hidden
                     # behind 0.2 s of flattening the target and making its layout.
                     await self._warm(step)
-                reply, result = await self._load_into(
-                    step, into, strict, keys, required, atomic, agreement
-                )
+                asked = Into(step, into, strict, keys, required, atomic)
+                reply, result = await self._load_into(asked, agreement)
                 agreement.restored(reply.step)
         except BaseException as e:
             raised: BaseException = e
@@ -105,15 +111,24 @@ class Loader:
         )
         return result
 
+    def _ask(self, step: int | None, **fields: Any) -> LoadAsk:
+        """What this rank's load of ``step`` reads, with ``fields`` (see LoadAsk)."""
+        group = self.group
+        rank, world_size = (0, 1) if group is None else (group.rank, group.world_size)
+        return LoadAsk(step, rank, world_size, **fields)
+
+    def _ask_into(self, asked: Into, wanted: dict[str, Wanted]) -> LoadAsk:
+        """What a load into ``asked.into`` reads: the boxes its DTensors want, its keys."""
+        return self._ask(
+            asked.step,
+            wanted=wanted or None,
+            select=asked.keys,
+            select_required=asked.required,
+            asked=None if asked.keys is not None else target_paths(asked.into),
+        )
+
     async def _load_into(
-        self,
-        step: int | None,
-        into: Any,
-        strict: bool,
-        keys: tuple[str, ...] | None,
-        required: bool,
-        atomic: bool,
-        agreement: _dist.LoadAgreement,
+        self, asked: Into, agreement: _dist.LoadAgreement
     ) -> tuple[LoadReply, Any]:
         """Restore into existing objects, reading through a warm staging slab when one fits.
 
@@ -124,6 +139,7 @@ class Loader:
         _restore_while_read). Without a cap the load is atomic either way (see
         AsyncCheckpointManager.load).
         """
+        into = asked.into
         slab = None
         init_optimizer_states(into)
         flat: Flat | None = None
@@ -134,27 +150,23 @@ class Loader:
         except (CheckpointError, StaleFlat):
             pass  # not a savable state: read into a fresh segment instead
         held = {h.name: h for h in flat.dtensors} if flat is not None else {}
-        wanted = wanted_boxes(held)
+        ask = self._ask_into(asked, wanted_boxes(held))
+        target = Target(into, held, asked.strict, asked.keys if asked.required else None)
         if layout is not None:
             window = self._pool.window_size(layout.file_size)
             if window is not None:  # staged in windows under staging_memory: loaded so too
-                return await self._load_windows(
-                    step, into, strict, keys, required, held, wanted, window, atomic, agreement
-                )
+                windowed = Windowed.of(ask, window, stream=not asked.atomic)
+                return await self._load_windows(windowed, target, agreement)
             slab = await self._pool.acquire(layout.file_size, layout.id)
         early = uuid_mod.uuid4().hex if slab is not None else None
         try:
             reply = await self._lending(
-                step=step,
+                LoadReq,
+                ask=ask,
                 slab=SlabRef(slab.name, slab.size) if slab is not None else None,
-                wanted=wanted or None,
-                select=keys,
-                select_required=required,
-                asked=None if keys is not None else target_paths(into),
                 early=early,
                 image=layout.image if slab is not None and layout is not None else None,
             )
-            scope = keys if required else None
             if reply.segment is not None:  # the slab was too small: read into a new segment
                 reply = await collected(self._lending, reply, early or "")
             if reply.pending:
@@ -163,17 +175,17 @@ class Loader:
                 assert layout is not None
                 self._pool.reuse_for_load(slab)
                 reply, restored = await self._restore_while_read(
-                    reply, early, slab, layout, into, held, strict, scope, agreement
+                    reply, early, (slab, layout), target, agreement
                 )
             else:  # read into a fresh segment: no slab, or one too small
                 tensors = map_loaded(reply)
                 plan = functools.partial(
-                    plan_restore, into, reply.tree, tensors, tensors, held, strict, scope
+                    plan_restore, into, reply.tree, tensors, tensors, *target.how()
                 )
                 planned = await anyio.to_thread.run_sync(plan)
                 agreement.checked(reply.step)
                 restored = await anyio.to_thread.run_sync(planned.finish, copy_pairs)
-            _say_left_out(reply, restored, required)
+            _say_left_out(reply, restored, asked.required)
         finally:
             if slab is not None:
                 self._pool.release(slab.name)
@@ -183,12 +195,8 @@ class Loader:
         self,
         reply: LoadReply,
         name: str,
-        slab: Slab,
-        layout: Layout,
-        into: Any,
-        held: dict[str, Any],
-        strict: bool,
-        scope: tuple[str, ...] | None,
+        lent: tuple[Slab, Layout],
+        target: Target,
         agreement: _dist.LoadAgreement,
     ) -> tuple[LoadReply, Restored]:
         """A load answered early (see LoadReq.early): the restore is planned against views of
@@ -197,6 +205,7 @@ class Loader:
         than copied in place gets a tensor of its own, filled from the slab then. When the
         daemon reads the shard as it lies in the file (LoadReply.image), the views are the
         slab's own views of ``layout``, made once for its saves."""
+        slab, layout = lent
         # (own tensor, its source) pairs: the views' first, then those of what is handed
         # over, which may be one of the former.
         fills: tuple[list[Any], list[Any]] = ([], [])
@@ -210,10 +219,10 @@ class Loader:
             else:
                 tensors = views(slab.u8, reply.tensors, fills[0])
             fresh = _Later(tensors, fills[1])
-            return plan_restore(into, reply.tree, tensors, fresh, held, strict, scope)
+            return plan_restore(target.into, reply.tree, tensors, fresh, *target.how())
 
         # A failure is raised once the slab is the trainer's again; nothing was changed.
-        collect = functools.partial(self._lending, step=reply.step, collect=name)
+        collect = functools.partial(self._lending, CollectReq, name=name)
         planned, done = await while_read(collect, plan)
         agreement.checked(reply.step)
 
@@ -227,54 +236,36 @@ class Loader:
         restored = await anyio.to_thread.run_sync(finish)
         return dataclasses.replace(reply, read_nbytes=done.read_nbytes, pending=False), restored
 
-    async def _lending(self, **fields: Any) -> LoadReply:
-        """``self._read(**fields)``, waited for to the end even when cancelled: the daemon may be
-        filling a slab the trainer lent it, which must not go back to the pool (and to a
-        save's copy) before the daemon is done with it. The cancellation takes effect
-        once the answer is in."""
+    async def _lending(self, kind: type[ReadReq], **fields: Any) -> LoadReply:
+        """``self._read(kind, **fields)``, waited for to the end even when cancelled: the
+        daemon may be filling a slab the trainer lent it, which must not go back to the pool
+        (and to a save's copy) before the daemon is done with it. The cancellation takes
+        effect once the answer is in."""
         with anyio.CancelScope(shield=True):
-            reply = await self._read(**fields)
+            reply = await self._read(kind, **fields)
         return reply
 
     async def _load_windows(
-        self,
-        step: int | None,
-        into: Any,
-        strict: bool,
-        keys: tuple[str, ...] | None,
-        required: bool,
-        held: dict[str, Any],
-        wanted: dict[str, Wanted],
-        window: int,
-        atomic: bool,
-        agreement: _dist.LoadAgreement,
+        self, windowed: Windowed, target: Target, agreement: _dist.LoadAgreement
     ) -> tuple[LoadReply, Any]:
         """Restore into existing objects through two window slabs of the staging pool, so a
         load stays under ``staging_memory`` as a save does (see _windowed)."""
-        ask: dict[str, Any] = {"wanted": wanted or None, "select": keys, "window": window}
-        ask["select_required"] = required
-        ask["asked"] = None if keys is not None else target_paths(into)
-        restore = (into, held, strict, keys if required else None)
-        slabs = await self._pool.acquire_windows(window)
+        slabs = await self._pool.acquire_windows(windowed.window)
         try:
             for slab in slabs:
                 self._pool.reuse_for_load(slab)
-            reply, restored = await self._windowed(
-                step, ask, restore, slabs, agreement, stream=not atomic
-            )
+            reply, restored = await self._windowed(windowed, target, slabs, agreement)
         finally:
             self._pool.close_windows(slabs, list(slabs))
-        _say_left_out(reply, restored, required)
+        _say_left_out(reply, restored, windowed.ask.select_required)
         return reply, restored.value
 
     async def _windowed(
         self,
-        step: int | None,
-        ask: dict[str, Any],
-        restore: tuple[Any, dict[str, Any], bool, tuple[str, ...] | None],
+        windowed: Windowed,
+        target: Target,
         slabs: tuple[Slab, Slab],
         agreement: _dist.LoadAgreement,
-        stream: bool,
     ) -> tuple[LoadReply, Restored]:
         """A load whose bytes come a window at a time, the two ``slabs`` taking turns: each
         window is copied into the targets while the daemon reads the next into the other.
@@ -286,19 +277,18 @@ class Loader:
         planned while the daemon reads (the checking pass, or the first window), and checks
         everything before the first copy. What a restore hands over rather than copies in
         place (a module's or optimizer's state dict) is read into tensors of its own, as an
-        uncapped load's is. ``restore``: what WindowedRestore is planned with but the reply.
+        uncapped load's is.
         """
-        name = uuid_mod.uuid4().hex  # the stream's, or the checking pass's answered early
-        ask = {**ask, "stream": name if stream else None}
-        first = SlabRef(slabs[0].name, slabs[0].size)
-        reply = await self._lending(step=step, slab=first, early=None if stream else name, **ask)
-        reads = _Windows(self._lending, slabs, ask, reply)
+        stream = windowed.stream
+        kind, fields = windowed.start(SlabRef(slabs[0].name, slabs[0].size))
+        reply = await self._lending(kind, **fields)
+        reads = _Windows(self._lending, slabs, windowed, reply)
         if stream:  # planned while the first window is read
-            plan, _ = await plan_while(reads.first, reply, *restore)
+            plan, _ = await plan_while(reads.first, reply, target)
             agreement.checked(reply.step)
         else:  # planned while every window is read and checked
-            checked = functools.partial(self._lending, step=reply.step, collect=name)
-            plan, done = await plan_while(checked, reply, *restore)
+            checked = functools.partial(self._lending, CollectReq, name=windowed.name)
+            plan, done = await plan_while(checked, reply, target)
             reads.read_nbytes = done.read_nbytes
             agreement.checked(reply.step)
             await reads.first()

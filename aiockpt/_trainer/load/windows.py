@@ -19,9 +19,10 @@ from ..._core.gc import no_gc
 from ..._core.protocol import LoadReply, SlabRef, TensorAt
 from ..staging import Slab, copy_pairs
 from .early import while_read
-from .request import Read
+from .request import Read, Windowed
 from .restore import Restored
 from .restore_order import plan_restore
+from .targets import Target
 from .views import views
 
 
@@ -31,9 +32,9 @@ class _Windows:
     it is (not in a group), the read's failure first."""
 
     def __init__(
-        self, lending: Read, slabs: tuple[Slab, Slab], ask: dict[str, Any], reply: LoadReply
+        self, lending: Read, slabs: tuple[Slab, Slab], load: Windowed, reply: LoadReply
     ) -> None:
-        self._lending, self._slabs, self._ask, self.reply = lending, slabs, ask, reply
+        self._lending, self._slabs, self._load, self.reply = lending, slabs, load, reply
         self._refs = [SlabRef(slab.name, slab.size) for slab in slabs]
         self.failed: list[Exception] = []
         self.copied = False
@@ -42,7 +43,8 @@ class _Windows:
     async def fetch(self, i: int) -> None:
         slab = self._refs[i % 2]
         try:
-            done = await self._lending(step=self.reply.step, slab=slab, part=i, **self._ask)
+            kind, fields = self._load.part(self.reply.step, slab, i)
+            done = await self._lending(kind, **fields)
         except Exception as e:
             self.failed.append(e)
         else:
@@ -76,15 +78,12 @@ class _Windows:
 async def plan_while(
     read: Callable[[], Awaitable[Any]],
     reply: LoadReply,
-    into: Any,
-    held: dict[str, Any],
-    strict: bool,
-    scope: tuple[str, ...] | None,
+    target: Target,
 ) -> tuple[WindowedRestore, Any]:
     """The restore of a load in windows, planned while ``read()`` runs (the checking pass,
     or a streamed load's first window; nothing changes yet), and what ``read`` returned;
     raised, the read's failure first."""
-    plan = functools.partial(WindowedRestore, reply, into, held, strict, scope)
+    plan = functools.partial(WindowedRestore, reply, target.into, *target.how())
     return await while_read(read, plan)
 
 
