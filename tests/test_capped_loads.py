@@ -17,7 +17,8 @@ from test_staging_cap import assert_equal, mixed_state
 
 from aiockpt import AsyncCheckpointManager
 from aiockpt._core import format as fmt
-from aiockpt._daemon.reader import cut_output
+from aiockpt._core.protocol import StreamReq, StreamWindowReq
+from aiockpt._daemon.load.windows import cut_output
 from aiockpt.errors import CheckpointError, CorruptCheckpointError, StagingMemoryError
 
 MiB = 1 << 20
@@ -33,14 +34,20 @@ def zeroed(value):
 
 
 def record_parts(mgr) -> list:
-    """Wrap the manager's loads' daemon requests: the list gets each one's (window, part)."""
+    """Wrap the manager's loads' daemon requests: the list gets each one's (window, part);
+    a streamed load's window is its start's."""
     loader = mgr._loader
     real = loader._read
     seen: list = []
+    streams: dict = {}
 
-    async def read(**fields):
-        seen.append((fields.get("window", 0), fields.get("part")))
-        return await real(**fields)
+    async def read(kind, **fields):
+        if kind is StreamReq:
+            streams[fields["name"]] = fields["window"]
+        window = streams.get(fields["name"]) if kind is StreamWindowReq else None
+        window = fields.get("window", window or 0)
+        seen.append((window, fields.get("part")))
+        return await real(kind, **fields)
 
     loader._read = read
     return seen
@@ -178,7 +185,8 @@ def test_a_tensor_copied_in_place_and_handed_over_loads_in_windows(tmp_path) -> 
 def test_placeholders_name_the_tensor_a_source_is_cut_from() -> None:
     """A plan against placeholders gets back views of them: each is named by where its bytes
     lie, an empty tensor sharing its start with the next never taken for it."""
-    from aiockpt._trainer.loading import _Placeholders, views
+    from aiockpt._trainer.load.views import views
+    from aiockpt._trainer.load.windows import _Placeholders
 
     specs = {
         "a": ("F32", (4, 6), 0),
@@ -385,8 +393,8 @@ def test_a_cancelled_load_into_gives_its_slab_back_only_once_the_daemon_is_done(
             loader = mgr._loader
             real = loader._read
 
-            async def read(**fields):
-                reply = await real(**fields)
+            async def read(kind, **fields):
+                reply = await real(kind, **fields)
                 answered.append(1)
                 return reply
 
@@ -425,10 +433,10 @@ def test_a_capped_load_whose_shard_goes_while_copying_windows_says_so(
             loader = mgr._loader
             real = loader._read
 
-            async def read(**fields):
+            async def read(kind, **fields):
                 if fields.get("part") == gone_at:
                     os.remove(shard)
-                return await real(**fields)
+                return await real(kind, **fields)
 
             loader._read = read
             with pytest.raises(CheckpointError):  # not a group of one

@@ -89,7 +89,7 @@ def check_both_ways(sizes: list[int], flips: list[tuple[int, int]]) -> tuple[str
     from aiockpt._core.blocks import ShardMap
     from aiockpt._core.format import TensorRecord
     from aiockpt._core.shm import Segment
-    from aiockpt._daemon import reader
+    from aiockpt._daemon.load import verify
     from aiockpt.errors import CorruptCheckpointError
 
     total = sum(sizes)
@@ -107,7 +107,7 @@ def check_both_ways(sizes: list[int], flips: list[tuple[int, int]]) -> tuple[str
             seg.buf[at] ^= 0x40
         smap = ShardMap("step_000000000001", "f", 100 + total, [], str)
         named: list[str | None] = []
-        for check in (reader.check_crcs, reader._check_each):
+        for check in (verify.check_crcs, verify._check_each):
             try:
                 check(seg, items, 100, "f", smap)
                 named.append(None)
@@ -127,13 +127,13 @@ def check_both_ways(sizes: list[int], flips: list[tuple[int, int]]) -> tuple[str
     flips=st.lists(st.tuples(st.integers(0, 39), st.integers(0, 1000)), max_size=3),
 )
 def test_checking_small_tensors_by_runs_names_what_checking_each_names(monkeypatch, sizes, flips):
-    from aiockpt._daemon import reader
+    from aiockpt._daemon.load import verify
 
     # Runs of a few tensors under 100 bytes, so that small examples take every path: runs
     # folded, runs broken by a larger tensor, lengths never seen before.
-    monkeypatch.setattr(reader, "RUN_CHECK_MAX", 100)
-    monkeypatch.setattr(reader, "RUN_CHECK_MIN", 3)
-    monkeypatch.setattr(reader, "RUN_CHECK_PER_LENGTH", 2)
+    monkeypatch.setattr(verify, "RUN_CHECK_MAX", 100)
+    monkeypatch.setattr(verify, "RUN_CHECK_MIN", 3)
+    monkeypatch.setattr(verify, "RUN_CHECK_PER_LENGTH", 2)
     flips = [(i % len(sizes), offset) for i, offset in flips if sizes[i % len(sizes)]]
     by_runs, each = check_both_ways(sizes, flips)
     assert by_runs == each
@@ -154,9 +154,9 @@ def _cancel(flips: list[tuple[int, int]], sizes: list[int]) -> bool:
 def test_a_run_of_small_tensors_is_checked_whole_and_one_by_one_only_when_it_fails(
     monkeypatch,
 ):
-    from aiockpt._daemon import reader
+    from aiockpt._daemon.load import verify
 
-    each = reader._check_each
+    each = verify._check_each
     one_by_one: list[int] = []
 
     def counted(seg, items, *args):
@@ -164,7 +164,7 @@ def test_a_run_of_small_tensors_is_checked_whole_and_one_by_one_only_when_it_fai
         return each(seg, items, *args)
 
     sizes = [64] * 2000
-    monkeypatch.setattr(reader, "_check_each", counted)
+    monkeypatch.setattr(verify, "_check_each", counted)
     assert check_both_ways(sizes, []) == (None, None)
     assert one_by_one == [2000]  # check_both_ways' own call, none by check_crcs
     one_by_one.clear()

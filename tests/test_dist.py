@@ -16,7 +16,7 @@ from _support.ranks import run_ranks as _run_ranks
 
 from aiockpt import AsyncCheckpointManager
 from aiockpt._core import format as fmt
-from aiockpt._daemon.graft import graft
+from aiockpt._daemon.load.graft import graft
 from aiockpt.errors import CheckpointError, LoadMismatchError
 
 

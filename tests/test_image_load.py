@@ -18,9 +18,9 @@ import torch
 
 from aiockpt import AsyncCheckpointManager
 from aiockpt._core.catalog import Catalog
-from aiockpt._core.protocol import SlabRef
+from aiockpt._core.protocol import CollectReq, LoadAsk, LoadReq, SlabRef
 from aiockpt._core.shm import Segment
-from aiockpt._daemon.reader import Reader
+from aiockpt._daemon.load import Reader
 from aiockpt._daemon.shared import Slabs
 from aiockpt._trainer.staging import make_layout
 from aiockpt._trainer.state import flatten
@@ -101,9 +101,10 @@ def slab():
 
 def read_early(reader: Reader, seg: Segment, image) -> tuple:
     """A load into ``seg`` answered early, then collected: (answer, outcome)."""
-    answer = reader.load(None, 0, slab=SlabRef(seg.name, seg.size), early="x", image=image)
+    slab = SlabRef(seg.name, seg.size)
+    answer = reader.load(LoadReq(0, LoadAsk(None, 0, 1), slab=slab, early="x", image=image))
     reader.early.read()
-    return answer, reader.load(None, 0, collect="x")
+    return answer, reader.collect(CollectReq(0, "x"))
 
 
 async def test_a_shard_whose_head_is_the_layout_is_read_as_its_image(tmp_path, reader, slab):

@@ -182,7 +182,8 @@ def test_collecting_a_load_never_answered_early_is_an_error(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
     from aiockpt._core.catalog import Catalog
-    from aiockpt._daemon.reader import Reader
+    from aiockpt._core.protocol import CollectReq
+    from aiockpt._daemon.load import Reader
     from aiockpt._daemon.shared import Slabs
     from aiockpt.errors import CheckpointError
     from aiockpt.storage import open_storage
@@ -190,7 +191,7 @@ def test_collecting_a_load_never_answered_early_is_an_error(tmp_path):
     with ThreadPoolExecutor(1) as pool:
         reader = Reader(Catalog(open_storage(str(tmp_path))), Slabs(), pool)
         with pytest.raises(CheckpointError, match="no load named 'x' was answered early"):
-            reader.load(None, 0, collect="x")
+            reader.collect(CollectReq(0, "x"))
 
 
 class _FakePlan:
@@ -212,7 +213,7 @@ def test_a_read_into_a_lent_slab_starts_before_its_answer_is_built():
     """The read ahead runs while the answer is made; collecting gives its outcome."""
     import threading
 
-    from aiockpt._daemon.reader import _Early
+    from aiockpt._daemon.load.answer import _Early
 
     started = threading.Event()
 
@@ -238,7 +239,7 @@ def test_a_read_started_ahead_is_waited_for_when_its_answer_cannot_be_made():
     import threading
     import time
 
-    from aiockpt._daemon.reader import _Early
+    from aiockpt._daemon.load.answer import _Early
     from aiockpt.errors import CheckpointError
 
     finished = []
@@ -266,7 +267,7 @@ def test_a_read_started_ahead_is_waited_for_when_its_answer_cannot_be_made():
 def test_a_read_not_ahead_waits_for_its_answer_to_be_sent():
     """A read into a new segment is made only once the answer is out (the trainer faults
     the segment in alongside it); one whose answer could not be sent is never made."""
-    from aiockpt._daemon.reader import _Early
+    from aiockpt._daemon.load.answer import _Early
 
     reads = []
     early = _Early()
@@ -289,7 +290,8 @@ def test_a_warmed_load_finds_its_manifest_parsed_and_checked(tmp_path, monkeypat
 
     from aiockpt._core import format as fmt
     from aiockpt._core.catalog import Catalog
-    from aiockpt._daemon.reader import Reader
+    from aiockpt._core.protocol import LoadAsk, LoadReq
+    from aiockpt._daemon.load import Reader
     from aiockpt._daemon.shared import Slabs
     from aiockpt.errors import CheckpointNotFoundError
     from aiockpt.storage import open_storage
@@ -320,7 +322,7 @@ def test_a_warmed_load_finds_its_manifest_parsed_and_checked(tmp_path, monkeypat
         assert (len(parsed), len(checked)) == (1, 1)
         m = reader.catalog.read_manifest(3, lazy=True)
         assert m.tensors[m.shard_of(0).file]._all is not None  # every record checked
-        reply = reader.load(None, 0)
+        reply = reader.load(LoadReq(0, LoadAsk(None, 0, 1)))
         assert (len(parsed), len(checked)) == (1, 1)  # nothing parsed or checked again
         assert set(reply.tensors) == set(state)
         with pytest.raises(CheckpointNotFoundError, match="step 4 is not a committed"):

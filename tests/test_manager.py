@@ -386,7 +386,7 @@ def test_a_failed_check_waits_for_the_others_before_the_segment_is_unmapped(tmp_
     BufferError instead of the corrupt tensor's error)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from aiockpt._daemon.reader import _Checks
+    from aiockpt._daemon.load.verify import _Checks
 
     finished = []
 

@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiockpt._trainer import state as state_mod
-from aiockpt._trainer.state import plan_restore
+from aiockpt._trainer.load import restore
+from aiockpt._trainer.load.restore import plan_restore
 from aiockpt.errors import LoadMismatchError
 
 #: What a test may do to one key of the target before it is restored into.
@@ -66,31 +66,31 @@ def plan(target: dict, tree: Any, tensors: dict, strict: bool) -> Any:
 
 @settings(max_examples=60, deadline=None)
 @given(
-    n=st.integers(state_mod.BATCH_MIN, state_mod.BATCH_MIN + 8),
-    changes=st.dictionaries(st.integers(0, state_mod.BATCH_MIN - 1), st.sampled_from(CHANGES)),
+    n=st.integers(restore.BATCH_MIN, restore.BATCH_MIN + 8),
+    changes=st.dictionaries(st.integers(0, restore.BATCH_MIN - 1), st.sampled_from(CHANGES)),
     int_keys=st.booleans(),
     strict=st.booleans(),
 )
 def test_a_large_dict_is_planned_as_the_walk_plans_it(n, changes, int_keys, strict):
     tree, tensors, target = saved_and_target(n, changes, int_keys)
     whole = plan(target, tree, tensors, strict)
-    walked = state_mod.BATCH_MIN
+    walked = restore.BATCH_MIN
     try:
-        state_mod.BATCH_MIN = 10**9  # every dict walked key by key
+        restore.BATCH_MIN = 10**9  # every dict walked key by key
         assert whole == plan(target, tree, tensors, strict)
     finally:
-        state_mod.BATCH_MIN = walked
+        restore.BATCH_MIN = walked
 
 
 def test_a_dict_of_matching_tensors_is_planned_as_a_whole(monkeypatch):
     """The fast path is taken (a walk that would be refused is not reached) and copies
     every tensor into its target, in the saved order."""
-    tree, tensors, target = saved_and_target(state_mod.BATCH_MIN, {3: "parameter"}, False)
+    tree, tensors, target = saved_and_target(restore.BATCH_MIN, {3: "parameter"}, False)
 
     def no_walk(*args: Any) -> Any:
         raise AssertionError("walked key by key")
 
-    monkeypatch.setattr(state_mod._Restorer, "tensor", no_walk)
+    monkeypatch.setattr(restore._Restorer, "tensor", no_walk)
     r = plan_restore(target, tree, tensors, tensors, {}, True, None)
     assert [id(t) for t in r.dsts] == [id(t) for t in target.values()]
     assert [id(t) for t in r.srcs] == [id(t) for t in tensors.values()]

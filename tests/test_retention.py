@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from aiockpt import AsyncCheckpointManager
 from aiockpt._core import format as fmt
 from aiockpt._core.lease import LEASE_DIR
-from aiockpt._core.protocol import LoadReq, RecordsReq, StepsReq
+from aiockpt._core.protocol import LoadAsk, LoadReq, RecordsReq, StepsReq
 from aiockpt.errors import CheckpointError, CheckpointNotFoundError, StorageError
 from aiockpt.retention import (
     AnyOf,
@@ -578,7 +578,7 @@ async def test_an_interrupted_deletion_is_never_listed_or_loaded(root):
         assert daemon.handle(StepsReq(0)) == (2,)
         assert [r.step for r in daemon.handle(RecordsReq(0))] == [2]
         with pytest.raises(CheckpointNotFoundError, match="step 1 is not a committed"):
-            daemon.handle(LoadReq(0, step=1, rank=0, world_size=1))
+            daemon.handle(LoadReq(0, LoadAsk(1, 0, 1)))
 
     async with AsyncCheckpointManager(root) as mgr:
         # Start-up collected the half-deleted step (it lies below the newest commit).

@@ -14,7 +14,7 @@ import torch
 
 from aiockpt import AsyncCheckpointManager
 from aiockpt._core import format as fmt
-from aiockpt._daemon.reader import whole_shard
+from aiockpt._daemon.load.plan import whole_shard
 from aiockpt.errors import CorruptCheckpointError
 from tests._support.roots import flip_byte, manifest_of, shard_name, shard_path
 

@@ -20,7 +20,7 @@ from test_staging_cap import assert_equal, mixed_state
 
 from aiockpt import AsyncCheckpointManager, CheckpointManager
 from aiockpt._core import format as fmt
-from aiockpt._core.protocol import SlabRef
+from aiockpt._core.protocol import LoadAsk, SlabRef, StreamReq, StreamWindowReq
 from aiockpt.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -218,23 +218,24 @@ def test_windows_of_a_streamed_load_are_asked_for_in_order(tmp_path) -> None:
         async with AsyncCheckpointManager(root, read_only=True) as mgr:
             slab = await mgr._pool.acquire(16 * MiB, None)
             try:
-                ask = {"step": 1, "slab": SlabRef(slab.name, slab.size), "window": MiB}
+                ask = {"ask": LoadAsk(1, 0, 1), "window": MiB}
+                lent = SlabRef(slab.name, slab.size)
                 with pytest.raises(CheckpointError, match="ValueError: window 0 .*'a'.* not st"):
-                    await mgr._read(part=0, stream="a", **ask)
-                reply = await mgr._read(stream="a", **ask)
+                    await mgr._read(StreamWindowReq, name="a", slab=lent, part=0)
+                reply = await mgr._read(StreamReq, name="a", **ask)
                 assert len(reply.windows) == 12
-                await mgr._read(stream="b", **ask)
-                await mgr._read(part=0, stream="a", **ask)
-                await mgr._read(part=0, stream="b", **ask)
-                await mgr._read(part=1, stream="a", **ask)
+                await mgr._read(StreamReq, name="b", **ask)
+                await mgr._read(StreamWindowReq, name="a", slab=lent, part=0)
+                await mgr._read(StreamWindowReq, name="b", slab=lent, part=0)
+                await mgr._read(StreamWindowReq, name="a", slab=lent, part=1)
                 with pytest.raises(CheckpointError, match="ValueError: .*1 is next, not 2"):
-                    await mgr._read(part=2, stream="b", **ask)
+                    await mgr._read(StreamWindowReq, name="b", slab=lent, part=2)
                 with pytest.raises(CheckpointError, match="'b', which was not started"):
-                    await mgr._read(part=1, stream="b", **ask)
+                    await mgr._read(StreamWindowReq, name="b", slab=lent, part=1)
                 for i in range(2, 12):
-                    await mgr._read(part=i, stream="a", **ask)
+                    await mgr._read(StreamWindowReq, name="a", slab=lent, part=i)
                 with pytest.raises(CheckpointError, match="'a', which was not started"):
-                    await mgr._read(part=11, stream="a", **ask)  # done: dropped
+                    await mgr._read(StreamWindowReq, name="a", slab=lent, part=11)  # done: dropped
             finally:
                 mgr._pool.release(slab.name)
 
@@ -313,7 +314,7 @@ def test_streamed_windows_hold_every_byte_and_find_any_flipped_one(varied, pages
 
     from aiockpt._core.catalog import Catalog
     from aiockpt._core.shm import Segment
-    from aiockpt._daemon.reader import Reader
+    from aiockpt._daemon.load import Reader
     from aiockpt._daemon.shared import Slabs
     from aiockpt.storage import LocalStorage
 
@@ -329,13 +330,13 @@ def test_streamed_windows_hold_every_byte_and_find_any_flipped_one(varied, pages
     try:
         with ThreadPoolExecutor(2) as pool:
             reader = Reader(Catalog(LocalStorage(root)), Slabs(), pool)
-            ask = {"slab": SlabRef(seg.name, seg.size), "window": window, "stream": "s"}
-            reply = reader.load(1, 0, 1, **ask)
+            lent = SlabRef(seg.name, seg.size)
+            reply = reader.stream(StreamReq(0, LoadAsk(1, 0, 1), window, "s"))
             out = bytearray(reply.size)
             failed = None
             for i, (a, b) in enumerate(reply.windows):
                 try:
-                    reader.load(reply.step, 0, 1, part=i, **ask)
+                    reader.stream_window(StreamWindowReq(0, "s", lent, i))
                 except CorruptCheckpointError as e:
                     failed = (i, e.key)
                     break

@@ -12,7 +12,8 @@ import torch
 
 from aiockpt._core import format as fmt
 from aiockpt._core import tree, values
-from aiockpt._trainer.state import flatten, unflatten
+from aiockpt._trainer.load.restore import unflatten
+from aiockpt._trainer.state import flatten
 from aiockpt.errors import CorruptCheckpointError, UnsupportedValueError
 
 

@@ -30,11 +30,13 @@ from .._core.catalog import Catalog
 from .._core.leasekeeper import LeaseKeeper
 from .._core.pipe import PipeEnd
 from .._core.protocol import (
+    CappedLoadReq,
+    CappedWindowReq,
     CollectPartialsReq,
+    CollectReq,
     DeleteReq,
     Hello,
     LeaseGrant,
-    LoadReply,
     LoadReq,
     ProtocolMismatch,
     PublishFailureReq,
@@ -48,6 +50,8 @@ from .._core.protocol import (
     StepRecord,
     StepsReq,
     Stop,
+    StreamReq,
+    StreamWindowReq,
     WarmReq,
     WindowReady,
     check_protocol,
@@ -58,9 +62,9 @@ from ..errors import DaemonStartError
 from ..storage import CountingStorage, Storage, open_storage
 from . import hfread, tiers
 from .coord import Coordinator, no_fence
+from .load import Reader
 from .pipe import Outbox, remote_error
 from .prune import Pruner
-from .reader import Reader
 from .rendezvous import StoreRendezvous
 from .shared import InFlight, Slabs, Windows
 from .writer import Writer
@@ -133,7 +137,12 @@ class Daemon:
         self.save_q: queue.Queue[SaveReq | DeleteReq | None] = queue.Queue()
         self.read_q: queue.Queue[ReadReq | None] = queue.Queue()
         self._handlers: dict[type[ReadReq], Callable[[Any], Any]] = {
-            LoadReq: self._load,
+            LoadReq: self.reader.load,
+            CappedLoadReq: self.reader.capped,
+            CappedWindowReq: self.reader.capped_window,
+            StreamReq: self.reader.stream,
+            StreamWindowReq: self.reader.stream_window,
+            CollectReq: self.reader.collect,
             WarmReq: self._warm,
             StepsReq: self._steps,
             RecordsReq: self._records,
@@ -165,24 +174,6 @@ class Daemon:
         if handler is None:
             raise TypeError(f"the daemon has no handler for {type(req).__name__}")
         return handler(req)
-
-    def _load(self, req: LoadReq) -> LoadReply:
-        return self.reader.load(
-            req.step,
-            req.rank,
-            req.world_size,
-            req.slab,
-            req.wanted,
-            req.select,
-            select_required=req.select_required,
-            window=req.window,
-            part=req.part,
-            early=req.early,
-            collect=req.collect,
-            image=req.image,
-            stream=req.stream,
-            asked=req.asked,
-        )
 
     def _warm(self, req: WarmReq) -> None:
         self.reader.warm(req.step, req.rank, req.world_size)

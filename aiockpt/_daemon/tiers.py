@@ -31,9 +31,9 @@ from ..retention import LatestN
 from ..storage import Storage
 from ..storage._local import LocalStorage
 from .coord import Coordinator, Part, publish_manifest
+from .load import Reader
 from .pipe import Outbox, remote_error
 from .prune import Pruner
-from .reader import Reader
 from .rendezvous import StoreRendezvous
 from .writer import Writer, follow
 

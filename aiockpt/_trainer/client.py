@@ -23,7 +23,10 @@ import anyio
 
 from .._core.pipe import PipeEnd
 from .._core.protocol import (
+    CappedLoadReq,
+    CappedWindowReq,
     CollectPartialsReq,
+    CollectReq,
     EventMsg,
     Hello,
     LeaseGrant,
@@ -38,11 +41,11 @@ from .._core.protocol import (
     SaveDone,
     SaveReq,
     SlabFree,
-    SlabRef,
     StepRecord,
     StepsReq,
     Stop,
-    Wanted,
+    StreamReq,
+    StreamWindowReq,
     WarmReq,
     WindowReady,
     check_protocol,
@@ -50,6 +53,9 @@ from .._core.protocol import (
 from ..errors import DaemonDiedError, DaemonStartError
 from .channel import Channel
 from .storeproxy import start_relay
+
+#: The requests of a load, one per mode (see _core/protocol/load.py), each answered by a LoadReply.
+LoadRequest = LoadReq | CappedLoadReq | CappedWindowReq | StreamReq | StreamWindowReq | CollectReq
 
 #: What the daemon process runs: ``python -c DAEMON_BOOT PKG_PARENT FD``. A fresh interpreter
 #: (spawn, never fork), which never imports the trainer's ``__main__``.
@@ -121,20 +127,7 @@ class DaemonClient(Protocol):
         self, kind: type[WarmReq], *, step: int | None, rank: int, world_size: int
     ) -> None: ...
     @overload
-    async def request(
-        self,
-        kind: type[LoadReq],
-        *,
-        step: int | None,
-        rank: int,
-        world_size: int,
-        slab: SlabRef | None = None,
-        wanted: dict[str, Wanted] | None = None,
-        select: tuple[str, ...] | None = None,
-        select_required: bool = True,
-        window: int = 0,
-        part: int | None = None,
-    ) -> LoadReply: ...
+    async def request(self, kind: type[LoadRequest], **fields: Any) -> LoadReply: ...
     async def request(self, kind: type[ReadReq], **fields: Any) -> Any:
         """Send ``kind(id, **fields)`` and return its reply's value, or raise its error;
         raises DaemonDiedError when the daemon is gone before it answers."""

@@ -32,7 +32,7 @@ from .._core.protocol import LoadReply, SafetensorsInfo, SafetensorsReq
 from ..errors import LoadMismatchError, SavedKeyNotFoundError, UnsupportedValueError
 from ..storage._registry import split_protocol
 from . import dist as _dist
-from .loading import map_loaded, views
+from .load.views import map_loaded, views
 from .staging import copy_pairs
 from .state import ST_TO_TORCH, _dtensor_type
 

@@ -6,7 +6,7 @@ The manager is a facade: it opens and closes, and hands each call to the part th
 - supervisor.py: a live daemon at all times, and what a daemon's death means for saves
 - ledger.py: the saves given out (SaveHandle) and the steps taken
 - mirror.py: what the daemon holds of the trainer's caches
-- saving.py, loading.py: the save and load paths; sigterm.py: on_sigterm="flush"
+- saving.py, load/: the save and load paths; sigterm.py: on_sigterm="flush"
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from .._core.protocol import (
     LeaseGrant,
     LeaseSpec,
     LoadReply,
-    LoadReq,
     RecordsReq,
     StepsReq,
     WarmReq,
@@ -41,11 +40,11 @@ from ..retention import CheckpointRecord, RetentionPolicy, best_order
 from ..tiers import LocalTier, host_id
 from . import checks
 from . import dist as _dist
-from .client import DaemonCallbacks, DaemonClient, SubprocessClient
+from .client import DaemonCallbacks, DaemonClient, LoadRequest, SubprocessClient
 from .dist import resolve_group
 from .hfload import SafetensorsLoading
 from .ledger import Ledger, SaveHandle, check_loop, loop_token
-from .loading import Loader, check_keys
+from .load import Loader, check_keys
 from .mirror import DaemonMirror
 from .saving import Saver
 from .sigterm import SigtermFlush, require_main_thread
@@ -278,12 +277,10 @@ class AsyncCheckpointManager(SafetensorsLoading):
         req = {"step": step, "rank": self.rank, "world_size": self.world_size}
         await self._tg.start(_warming, self._daemons, req)
 
-    async def _read(self, **fields: Any) -> LoadReply:
-        """This rank's :class:`LoadReq` with ``fields``, answered by the live daemon."""
+    async def _read(self, kind: type[LoadRequest], **fields: Any) -> LoadReply:
+        """This rank's load request ``kind`` with ``fields``, answered by the live daemon."""
         d = await self._daemons.live()
-        reply: LoadReply = await d.request(
-            LoadReq, rank=self.rank, world_size=self.world_size, **fields
-        )
+        reply: LoadReply = await d.request(kind, **fields)
         return reply
 
     # ----------------------------------------------------------------- the API

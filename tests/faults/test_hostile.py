@@ -31,7 +31,7 @@ from aiockpt import AsyncCheckpointManager
 from aiockpt._core import format as fmt
 from aiockpt._core.chunks import Chunk
 from aiockpt._core.lease import LEASE_DIR
-from aiockpt._core.protocol import Hello, LoadReq
+from aiockpt._core.protocol import Hello, LoadAsk, LoadReq
 from aiockpt._daemon.server import Daemon, PipeEnd
 from aiockpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedValueError
 
@@ -176,7 +176,7 @@ def audited_load(root: str) -> tuple[Audit, BaseException | None]:
     try:
         with Audit() as audit:
             try:
-                reply = daemon.handle(LoadReq(0, step=1, rank=0, world_size=1))
+                reply = daemon.handle(LoadReq(0, LoadAsk(1, 0, 1)))
             except Exception as e:
                 error = e
             else:

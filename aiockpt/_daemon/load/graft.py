@@ -20,11 +20,11 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from .._core import format as fmt
-from .._core.chunks import Chunk
-from .._core.dtable import ChunkRecord
-from .._core.tree import DICT, STATEFUL, select_paths, tensor_references
-from ..errors import CorruptCheckpointError, LoadMismatchError
+from ..._core import format as fmt
+from ..._core.chunks import Chunk
+from ..._core.dtable import ChunkRecord
+from ..._core.tree import DICT, STATEFUL, select_paths, tensor_references
+from ...errors import CorruptCheckpointError, LoadMismatchError
 
 
 class Borrowed:

@@ -1,35 +1,16 @@
-"""The messages between a manager and its daemon: one frozen dataclass per request and reply.
-
-Both ends are this package, so the pipe carries pickled instances of these classes; what
-comes from *storage* is never unpickled. Messages stay small: names, layouts, JSON-able trees
-and replies, never tensor bytes (those travel through shared memory).
-
-The conversation:
-
-- The trainer sends :class:`Hello` first; the daemon answers :class:`Ready` (or ``Ready`` with
-  an error, and exits). Each side checks the other's :data:`PROTOCOL`, so a daemon and a manager
-  of different versions never talk past each other.
-- :class:`SaveReq` goes to the daemon's writer, in order; the daemon answers
-  :class:`SlabFree` once the slab's bytes are durable, then one :class:`SaveDone`. A save
-  staged in windows sends its ``SaveReq`` first, then a :class:`WindowReady` per window, each
-  answered by a ``SlabFree`` once the daemon has written its bytes.
-- A :class:`ReadReq` (steps, records, load, …) goes to the daemon's reader and is answered by
-  one :class:`Reply` with the same ``id``, whose ``value`` is the request's reply type.
-- :class:`EventMsg` carries the daemon's events up, in order; :class:`Stop` asks it to finish
-  what is queued and exit.
+"""The messages of the handshake, the saves, the small requests and the daemon's answers (see
+the package's docstring).
 
 This module imports nothing from aiockpt or outside the standard library.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import marshal
 from dataclasses import dataclass, field
 from typing import Any
 
 #: Bumped on any change to these messages; checked by both ends in the handshake.
-PROTOCOL = 15
+PROTOCOL = 16
 
 #: How a loaded tensor lies in shared memory: (safetensors dtype, shape, byte offset).
 TensorAt = tuple[str, tuple[int, ...], int]
@@ -258,142 +239,12 @@ class WarmReq(ReadReq):
     """Ready what a load of ``rank``'s tensors of ``step`` (latest when None) will check, and
     read nothing else: the manifest read and parsed, the shard's records and the rank's tree
     checked (value: None). Sent as a load(into=) starts, the daemon does this while the
-    trainer walks its target; the LoadReq after it finds it done (the catalog keeps a
+    trainer walks its target; the load after it finds it done (the catalog keeps a
     manifest parsed while its bytes stay the same) and raises any error it meets."""
 
     step: int | None
     rank: int
     world_size: int
-
-
-@dataclass(frozen=True, slots=True)
-class SlabRef:
-    """A trainer's staging slab lent to a load."""
-
-    name: str
-    size: int
-
-
-@dataclass(frozen=True, slots=True)
-class LoadReq(ReadReq):
-    """Read and verify ``rank``'s tensors of ``step`` (latest when None) into shared memory:
-    into ``slab`` when it is large enough, else a new segment the trainer takes over (value:
-    a :class:`LoadReply`)."""
-
-    step: int | None
-    rank: int
-    world_size: int
-    slab: SlabRef | None = None
-    #: Per distributed tensor restored into a DTensor, what that target wants; every other
-    #: saved distributed tensor is read whole.
-    wanted: dict[str, Wanted] | None = None
-    #: Only the values at or under these key paths (None: all of them); with
-    #: ``select_required``, a key path that names nothing is an error.
-    select: tuple[str, ...] | None = None
-    select_required: bool = True
-    #: A load staged in windows (``staging_memory``): its bytes pass through ``slab`` at most
-    #: this many at a time. With ``part`` None, every window is read and checked and the
-    #: reply says where each tensor lies in the whole load and what the windows are; with
-    #: ``part`` i, window i is read into the slab from its start (the reply's ``tensors`` and
-    #: ``tree`` are then empty).
-    window: int = 0
-    part: int | None = None
-    #: A name for this load (``load.start``'s uuid): with a slab large enough, or in windows
-    #: with ``part`` None, the reply says where each tensor will lie before a byte is read
-    #: (``LoadReply.pending``) and the daemon reads them (in windows: the checking pass) right
-    #: after, so the trainer plans its restore meanwhile; a LoadReq with
-    #: ``collect`` set to the same name then answers once they are read and verified, or
-    #: raises what failed (its reply's ``tensors`` and ``tree`` are empty).
-    early: str | None = None
-    collect: str | None = None
-    #: The length and sha256 of the safetensors header of the layout ``slab`` holds for the
-    #: state restored into: when the shard's head is that header and the load reads every
-    #: tensor of the shard, answered early, the daemon reads the tensors into the slab
-    #: where the file has them, so that they lie where the slab's views of that layout
-    #: are, and says so (``LoadReply.image``) instead of where each tensor lies.
-    image: tuple[int, bytes] | None = None
-    #: A name for a load in windows copied as each is read (``load(into=..., atomic=False)``):
-    #: with ``part`` None the reply says where each tensor lies and what the windows are, and
-    #: nothing is read; the windows are then asked for in order under the same name, each
-    #: checked as it is read (a tensor cut by windows once its last is in).
-    stream: str | None = None
-    #: The key paths of the target restored into (its dicts walked): in a multi-rank
-    #: checkpoint, those at which the rank saved nothing are read from the ranks that did (a
-    #: full state saved by rank 0 alone, say). ``select``, when given, is asked instead.
-    asked: tuple[str, ...] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class LoadReply:
-    """Where a load's verified bytes are, and what the checkpoint says of them."""
-
-    step: int
-    #: The new segment to map, or None when the bytes are in the lent slab.
-    segment: str | None
-    size: int
-    tensors: dict[str, TensorAt]
-    tree: Any
-    metrics: dict[str, Any]
-    metadata: dict[str, Any]
-    created_at: float
-    nbytes: int
-    url: str
-    #: Bytes this load read from storage (plain tensors and the chunks of distributed ones).
-    read_nbytes: int = 0
-    #: Key paths a selection left out of ``tree`` (see LoadReq.select).
-    left_out: tuple[str, ...] = ()
-    #: A load in windows: each window's byte range of the whole load.
-    windows: tuple[tuple[int, int], ...] = ()
-    #: Answered early (see LoadReq.early): the bytes are still to be read.
-    pending: bool = False
-    #: The tensors lie in the lent slab where the shard's file has them, as the layout of
-    #: ``LoadReq.image`` places them; ``tensors`` is then empty.
-    image: bool = False
-
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        """Pickled with ``tensors`` and ``tree`` as one marshal blob: plain tuples, lists,
-        dicts and scalars that marshal writes and reads in a fraction of pickle's time (a
-        20k-tensor tree: 3 + 12 ms against 13 + 21 ms), on the critical path of every load.
-        Both ends run the same interpreter (the daemon is spawned with it), which marshal
-        needs."""
-        rest = tuple(getattr(self, f.name) for f in _REPLY_REST)
-        return _load_reply, (marshal.dumps((self.tensors, self.tree)), rest)
-
-
-#: The fields of LoadReply pickled as usual (see LoadReply.__reduce__).
-_REPLY_REST = tuple(f for f in dataclasses.fields(LoadReply) if f.name not in ("tensors", "tree"))
-
-
-def _load_reply(blob: bytes, rest: tuple[Any, ...]) -> LoadReply:
-    tensors, tree = marshal.loads(blob)
-    fields = {f.name: v for f, v in zip(_REPLY_REST, rest, strict=True)}
-    return LoadReply(tensors=tensors, tree=tree, **fields)
-
-
-@dataclass(frozen=True, slots=True)
-class SafetensorsReq(ReadReq):
-    """A Hugging Face safetensors ``source`` (a .safetensors file, or a folder holding
-    ``model.safetensors`` or ``model.safetensors.index.json`` and its shards; a path or URL
-    opened with ``storage_options``), its headers checked as untrusted input. With ``read``
-    None, value: a :class:`SafetensorsInfo`. With ``read``, each (name, file, dtype, shape,
-    start, box) read into a new segment the trainer takes over, the whole tensor (box None)
-    or the box of it (see chunks.read_plan): value a :class:`LoadReply` (``step`` 0) saying
-    where each name lies."""
-
-    source: str
-    storage_options: dict[str, Any] = field(default_factory=dict)
-    read: tuple[tuple[str, str, str, tuple[int, ...], int, Box | None], ...] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class SafetensorsInfo:
-    """What a safetensors source holds: per tensor name (file, dtype, shape, start, end),
-    offsets absolute in the file; the metadata of its index or single file's header; and
-    the source's URL."""
-
-    url: str
-    tensors: dict[str, tuple[str, str, tuple[int, ...], int, int]]
-    metadata: dict[str, Any]
 
 
 @dataclass(frozen=True, slots=True)

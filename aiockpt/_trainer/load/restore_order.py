@@ -15,12 +15,12 @@ from typing import Any, cast
 
 import torch
 
-from . import state
-from .state import Restored, _Restorer
+from . import restore
+from .restore import Restored, _Restorer
 
 
 class OrderedRestorer(_Restorer):
-    """A restore planned as :class:`~aiockpt._trainer.state._Restorer` plans it, carried out
+    """A restore planned as :class:`~aiockpt._trainer.load.restore._Restorer` plans it, carried out
     in the global order: copies and items set first, then the ``load_state_dict`` calls by
     key path, then the generators' states by key path."""
 
@@ -63,8 +63,8 @@ def plan_restore(
     strict: bool,
     scope: tuple[str, ...] | None,
 ) -> OrderedRestorer:
-    """:func:`aiockpt._trainer.state.plan_restore`, carried out in the global order."""
-    planned = state.plan_restore(
+    """:func:`aiockpt._trainer.load.restore.plan_restore`, carried out in the global order."""
+    planned = restore.plan_restore(
         target, tree, tensors, fresh, held, strict, scope, make=OrderedRestorer
     )
     return cast(OrderedRestorer, planned)
