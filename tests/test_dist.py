@@ -265,6 +265,8 @@ async def test_one_process_loads_a_key_rank_0_did_not_save(global_keys):
         out = await mgr.load(1, keys=["both"])  # saved by ranks 1 and 2, identically
         assert out["both"]["v"].tolist() == [0, 1, 2, 3, 4]
         assert out["both"]["tag"] == "same"
+        full = await mgr.load(1, keys=["full"])  # rank 0's alone: the others saved nothing there
+        assert full["full"]["w"].tolist() == [float(i) for i in range(12)]
         with pytest.raises(CheckpointError, match=r"diff.*ranks 1"):
             await mgr.load(1, keys=["diff"])
 

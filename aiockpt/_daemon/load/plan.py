@@ -58,11 +58,17 @@ def whole_shard(
     return shard
 
 
+def saved_at(m: fmt.Manifest, rank: int, path: str) -> bool:
+    """Whether ``rank``'s tree of ``m`` holds something at the key path ``path``."""
+    return path not in select_paths(m.trees[rank], (path,))[1]
+
+
 def check_replicated(m: fmt.Manifest, world_size: int, names: Iterable[str]) -> None:
     """On another world size only state that every rank saved identically can be loaded;
     distributed tensors are resharded, so their chunks need not be. ``names``: the tensors
     the load reads (of rank 0's shard), so a value per rank that a load does not select
-    (say, each rank's RNG state) does not stop it."""
+    (say, each rank's RNG state) does not stop it. A rank that saved nothing at a tensor's
+    key path (a full state saved by rank 0 alone) has no other value: see graft."""
     shards = sorted(m.shards, key=lambda s: s.rank)
     first = m.tensors[shards[0].file]
     differ: dict[str, list[int]] = {}
@@ -71,8 +77,8 @@ def check_replicated(m: fmt.Manifest, world_size: int, names: Iterable[str]) -> 
         ranks = [
             s.rank
             for s in shards[1:]
-            if (o := m.tensors[s.file].get(name)) is None
-            or (o.crc32c, o.dtype, o.shape) != (r.crc32c, r.dtype, r.shape)
+            if ((o := m.tensors[s.file].get(name)) is None and saved_at(m, s.rank, name))
+            or (o is not None and (o.crc32c, o.dtype, o.shape) != (r.crc32c, r.dtype, r.shape))
         ]
         if ranks:
             differ[name] = ranks
