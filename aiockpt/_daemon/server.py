@@ -322,7 +322,7 @@ def main(argv: list[str]) -> int:
     """Serve the trainer at the other end of the pipe inherited as file descriptor argv[1]."""
     pipe = PipeEnd(Connection(int(argv[1])))
     with contextlib.suppress(AttributeError, OSError):
-        os.nice(10)  # the trainer comes first; measured: trainer CPU share up when contended
+        os.nice(10)  # the trainer comes first when the two contend for a core
     # The daemon shares its trainer's process group and job, so Ctrl-C, a terminal's hang-up
     # and a scheduler's SIGTERM to every process of the job (Slurm's scancel, a killpg) reach
     # it too. Its life is its pipe's: it ends when the trainer stops it (on_sigterm="flush"

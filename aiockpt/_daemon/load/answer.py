@@ -18,15 +18,15 @@ class _Early:
     plan and how to read them until read, then their plan, the bytes read and what failed, until the
     trainer collects them. The reader thread reads them, or waits for a read started ahead,
     once their answers are sent (see Daemon.read_loop): the trainer plans its restore
-    meanwhile (at 20k tensors the reply's decoding, the views and the walk of the target,
-    0.1 s no longer after the read).
+    meanwhile, so the reply's decoding, the views and the walk of the target no longer come
+    after the read.
 
     A read into a lent slab starts sooner, on a thread of its own, before its answer is built
-    and sent: at 20k tensors the answer's entries take tens of milliseconds to make and pickle,
-    and the read's requests release the GIL (later loads at 20k tensors: 324 ms against
-    352 ms, the mean of six runs' medians, alternating with the tree before). A read into a new
-    segment still waits for its answer, so that the trainer, which maps the segment once it
-    has the name, faults the fresh pages in alongside it rather than after it."""
+    and sent: making and pickling the answer's entries is Python work per tensor, and the
+    read's requests release the GIL, so the two overlap (see docs/performance.md, "The load
+    path, choice by choice"). A read into a new segment still waits for its answer, so that
+    the trainer, which maps the segment once it has the name, faults the fresh pages in
+    alongside it rather than after it."""
 
     def __init__(self) -> None:
         self._pending: dict[str, tuple[_Plan, Callable[[], int] | Future[int]]] = {}

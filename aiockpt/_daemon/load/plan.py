@@ -44,9 +44,9 @@ def whole_shard(
     """``shard`` when a load of ``ranges`` and ``boxes`` of it (which holds ``of`` records)
     is to be checked by the shard's own crc32c, else None (each tensor's is checked).
 
-    Checking each tensor costs the daemon Python work per tensor (3 us, the crc32c of a small
-    tensor included), with the GIL held while its reads wait for it: 60 ms at 20k tensors,
-    against 22 ms for one crc32c of the whole 256 MiB, which releases it. A load of every
+    Checking each tensor costs the daemon Python work per tensor (the crc32c of a small
+    tensor included), with the GIL held while its reads wait for it; one crc32c of the whole
+    shard costs less and releases it (see docs/performance.md). A load of every
     record and nothing else, one run of bytes [lo, nbytes), checks the chunks it reads and the
     head [0, lo), read as well while it is small, by folding their crc32c into the shard's
     (see read_whole)."""
@@ -127,8 +127,8 @@ def contiguous(
 class _Runs:
     """contiguous() of the records a load read last, kept while they are the same object
     (the catalog keeps a manifest parsed while its bytes stay the same): the load after a
-    WarmReq, or a second load of a step, does not sort them again (at 20k tensors 4-6 ms,
-    before the read starts)."""
+    WarmReq, or a second load of a step, does not sort them again (work per record, before
+    the read starts)."""
 
     def __init__(self) -> None:
         self._last: tuple[Mapping[str, fmt.TensorRecord], list[tuple[int, int, Tensors]]]

@@ -45,9 +45,9 @@ def as_image(plan: _Plan, storage: Any, image: tuple[int, bytes]) -> _Plan:
     the shard's head is the header ``image`` describes (its length and sha256: LoadReq.image),
     which says where every tensor lies. The head is read for it, while the tensors are.
 
-    The trainer's views of the slab for that layout are then the loaded tensors: at 20k
-    tensors the reply's 20k places (pickled, sent, unpickled) and the trainer's views of
-    them, 50-90 ms, are not made."""
+    The trainer's views of the slab for that layout are then the loaded tensors: the reply's
+    place per tensor (pickled, sent, unpickled) and the trainer's views of them, Python work
+    per tensor, are not made."""
     length, digest = image
     if length != plan.bases[0]:
         return plan

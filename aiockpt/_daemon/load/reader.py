@@ -228,8 +228,8 @@ class Reader:
     @no_gc
     def warm(self, step: int | None, rank: int, world_size: int) -> None:
         """What a load of ``step`` checks before it reads, done ahead of it (see WarmReq):
-        at 20k tensors, reading and parsing the manifest and checking the shard's records
-        and the tree, 0.1 s of a process's first load."""
+        reading and parsing the manifest and checking the shard's records and the tree, much
+        of a process's first load at many tensors."""
         _, m, _, shard, _, where = self._shard(step, rank, world_size)
         if not m.dtensors:
             self._runs(shard, where)  # a plain load reads every record: see _wanted

@@ -32,7 +32,7 @@ _SHIFTS = Shifts()
 #: the GIL on a buffer under 32 KiB.
 RUN_CHECK_MAX = 32 << 10
 #: The fewest tensors checked as a run; and how many a length not in _SHIFTS yet must be
-#: shared by (its tables cost 0.5 ms, the checks of 150 small tensors).
+#: shared by (making its tables costs as much as checking many small tensors one by one).
 RUN_CHECK_MIN = 64
 RUN_CHECK_PER_LENGTH = 256
 
@@ -44,9 +44,9 @@ def check_crcs(seg: Segment, items: Tensors, lo: int, where: str, smap: ShardMap
 
     Small tensors that lie back to back are checked a run at a time: one crc32c of the
     run's bytes, which releases the GIL, against the crc folded from the tensors' own by
-    table (0.8 us a tensor). One call per tensor held the GIL 3.4 us for each of 20k
-    tensors of 13 KB, while the reader's other threads waited for it. A run that fails is
-    checked tensor by tensor, to name the first that is bad."""
+    table (a few look-ups a tensor). One call per tensor held the GIL for each of them,
+    while the reader's other threads waited for it. A run that fails is checked tensor by
+    tensor, to name the first that is bad."""
     i = 0
     while i < len(items):
         j = _small_run(items, i)
