@@ -22,5 +22,5 @@ class Channel:
         conn = self.end.conn
         while not conn.poll():
             await anyio.wait_readable(conn.fileno())
-        with gc_paused():  # a 20k-tensor load's reply unpickled 15 ms, or 180 ms with a GC pass
+        with gc_paused():  # a GC pass over a large reply costs more than unpickling it
             return conn.recv()

@@ -128,8 +128,8 @@ class Flattener:
         """Flatten ``state``; with ``remember`` False (a load looking up the layout of the
         state it restores into) the mappings met for the first time are added to the cache
         and none is dropped: a resumed run's first save then finds what its load learned
-        (and the layout the load made: at 20k tensors 0.2-0.4 s), and a load into another
-        state costs the training loop's saves nothing."""
+        (and the layout the load made, slow to make again at many tensors), and a load into
+        another state costs the training loop's saves nothing."""
         met: dict[str, Fragment] = {}
         flat = _Walk(self._fragments if trust else {}, met).flatten(state)
         if remember:
@@ -200,8 +200,7 @@ class _Walk:
                 "", f"the state must be a mapping, not {type(state).__name__}"
             )
         # A state tree is thousands of fresh lists and dicts: the cyclic GC would walk them
-        # again and again (measured: it doubled flatten's time at 20k tensors). Nothing here
-        # is cyclic.
+        # again and again, for as long as the walk itself takes. Nothing here is cyclic.
         with gc_paused():
             try:
                 tree = self.walk(state, "", 0)

@@ -1,10 +1,10 @@
 """The trainer's relay of the job's c10d store to its daemon (see aiockpt/_core/storeops.py).
 
-The daemon never imports torch (that would cost each rank's daemon about 3 s and 200 MB), so
-the store a multi-rank commit signals through is reached here, in the trainer process, by a
-thread that answers the daemon's calls on a pipe of their own. The thread spends its life
-blocked in the pipe or in the store, both outside the GIL, and never waits for the trainer's
-event loop: a commit goes on while the training step runs.
+The daemon never imports torch (that would add torch's import time and memory to each rank's
+daemon), so the store a multi-rank commit signals through is reached here, in the trainer
+process, by a thread that answers the daemon's calls on a pipe of their own. The thread spends
+its life blocked in the pipe or in the store, both outside the GIL, and never waits for the
+trainer's event loop: a commit goes on while the training step runs.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class TorchStoreOps:
 def own_connection(store: Any) -> Any:
     """A connection to ``store``'s server of our own. Keys need no prefix of the group's:
     they hold the save's uuid. A TCPStore client is made afresh from its address (``clone()``
-    of a client took 0.5 s here, a new client 2 ms); any other store is cloned."""
+    of a client is far slower than a new client); any other store is cloned."""
     import torch.distributed as dist
 
     inner = getattr(store, "_underlying_non_prefix_store", store)
@@ -109,8 +109,8 @@ def start_relay(store: Any) -> Connection:
 
 def _relay(conn: Connection, ops: TorchStoreOps) -> None:
     # Connected as the daemon starts, not when the first commit needs it: every rank's
-    # first part would come at once, and a TCPStore took 30 s here to accept 256 clients
-    # connecting together (one at a time: 1 ms each).
+    # first part would come at once, and a TCPStore accepts many clients connecting
+    # together far more slowly than the same clients one at a time.
     ops.connect()
     try:
         serve(conn, ops)

@@ -60,8 +60,8 @@ async def load_fresh(lending: Read, ask: LoadAsk) -> tuple[LoadReply, Any]:
 
     The daemon answers before it reads (LoadReq.early): the segment is mapped and the
     values built while it reads, then handed back once every checksum has passed. What
-    must own its memory (a generator's state) is filled then. At 20k tensors, mapping,
-    viewing and rebuilding the tree take 60-90 ms, no longer after the read.
+    must own its memory (a generator's state) is filled then. Mapping, viewing and
+    rebuilding the tree, work per tensor, thus no longer come after the read.
     """
     name = uuid_mod.uuid4().hex
     reply = await lending(LoadReq, ask=ask, early=name)

@@ -84,8 +84,8 @@ class Loader:
                     keys = target_paths(into)  # what both hold is all that is restored
                 if self._warm is not None:
                     # The daemon readies what the load will check while the target is walked
-                    # (see WarmReq): 0.1 s of a process's first load at 20k tensors, hidden
-                    # behind 0.2 s of flattening the target and making its layout.
+                    # (see WarmReq): that part of a process's first load is hidden behind
+                    # flattening the target and making its layout.
                     await self._warm(step)
                 asked = Into(step, into, strict, keys, required, atomic)
                 reply, result = await self._load_into(asked, agreement)
@@ -211,8 +211,8 @@ class Loader:
         fills: tuple[list[Any], list[Any]] = ([], [])
 
         def plan() -> Any:
-            # The save views, for the save after this load (a resumed run's first): 0.13 s
-            # at 20k tensors, here while the daemon reads.
+            # The save views, for the save after this load (a resumed run's first): made
+            # here, while the daemon reads, rather than in that save's stall.
             own = slab.prepare(layout, write=False)
             if reply.image:
                 tensors = image_views(layout, own, fills[0])

@@ -238,7 +238,7 @@ def load_into(
     return plan_restore(target, tree, tensors, tensors, held, strict, scope).finish(copy)
 
 
-@no_gc  # the walk's lists and sizes: a full GC pass of up to 80 ms at 20k tensors
+@no_gc  # the walk's lists and sizes: a full GC pass over them is long at many tensors
 def plan_restore(
     target: Any,
     tree: Any,
@@ -395,8 +395,8 @@ class _Restorer:
 
     def tensor_dict(self, target: dict, body: list) -> bool:
         """Plan the restore of ``target``, a dict of plain tensors saved as one (a model's
-        state dict), in a few passes over it instead of a walk and a check per key: 77 ms ->
-        42 ms at 20k tensors, most of it reading 40k shapes and dtypes. (A load(into=) plans
+        state dict), in a few passes over it instead of a walk and a check per key; most of
+        what is left is reading each tensor's shape and dtype. (A load(into=) plans
         while the daemon reads, see Loader._restore_while_read: on 2 cores they compete.)
         False, nothing planned, where that does not apply: the keys differ, a value is not a
         plain tensor on either side, a shape or dtype differs, or DTensors are held (they

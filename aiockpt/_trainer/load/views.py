@@ -68,8 +68,8 @@ def views(
     """Each loaded tensor as a view of the bytes the daemon read.
 
     Tensors of one dtype that follow one another are cut from one typed view by a single
-    split_with_sizes (see typed_views): at 20k tensors, a slice and two views per tensor
-    took 70-120 ms. With
+    split_with_sizes (see typed_views), which costs far less than a slice and two views per
+    tensor. With
     ``later``, the bytes are not read yet: a tensor that gets memory of its own (see below)
     is left empty, paired there with the view it is to be filled from.
     """

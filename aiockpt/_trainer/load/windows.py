@@ -154,8 +154,9 @@ class WindowedRestore:
         """Copy the window ``span`` of the load, in ``u8`` from its start, where it goes."""
         a, b = span
         # The sources of spans that follow one another are cut from the window's bytes by
-        # one split, the gaps between them included (at 20k tensors, 5 us a slice); a span
-        # over bytes already cut (a tensor copied whole and also given its own) is sliced.
+        # one split, the gaps between them included (a slice each would be Python work per
+        # tensor); a span over bytes already cut (a tensor copied whole and also given its
+        # own) is sliced.
         dsts, cut, sliced = [], [], []
         sizes: list[int] = []
         pos = 0
@@ -187,7 +188,8 @@ class WindowedRestore:
     def finish(self) -> Restored:
         """The second plan, against the filled tensors, carried out; or the first, when no
         tensor got one of its own (every one was copied in place from the windows and
-        nothing is handed over): planning 20k tensors again took 85 ms."""
+        nothing is handed over): planning again is work per tensor, spared when nothing
+        needs it."""
         if self._own:
             sources = {**self._meta, **self._own}
             args = (self._held, self._strict, self._scope)

@@ -117,8 +117,8 @@ def typed_views(u8: torch.Tensor, items: list[Cut]) -> list[torch.Tensor]:
 
     Items of one dtype that follow one another, with gaps between them (a layout's padding,
     say) that are whole elements, are cut from one typed view by a single split_with_sizes,
-    the gaps cut as parts of their own: at 20k tensors a slice and two views each took 80 ms,
-    one split 20 ms.
+    the gaps cut as parts of their own: one split costs a fraction of a slice and two views
+    per item.
     """
     out: list[torch.Tensor] = []
     i, n = 0, len(items)
@@ -299,7 +299,7 @@ def on_two_threads(fn: Callable[..., None], here: tuple, there: tuple | None) ->
 
 def copy_pairs(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     """``dsts[i].copy_(srcs[i])`` for every i; many small tensors on two threads, as a save's
-    copy (a load restoring 20k tensors in place: 64 ms on one thread, 38 ms on two)."""
+    copy (small copies are Python-bound, and two threads halve that)."""
     half = len(dsts) // 2
     if len(dsts) < PIECE:  # a few large tensors: torch's intra-op threads split each copy
         torch._foreach_copy_(dsts, srcs)

@@ -30,10 +30,9 @@ class Slab:
     """A pooled segment, with views of it cached for the last layout copied in."""
 
     def __init__(self, size: int) -> None:
-        # Touched from here rather than mapped in by MAP_POPULATE: measured at 1 GiB on a
-        # virtual machine, the kernel's populate took 0.59-0.66 s, writing every page from
-        # the process 0.32-0.38 s (resume_bench.py). The first load or save of a process
-        # pays this.
+        # Touched from here rather than mapped in by MAP_POPULATE: writing every page from
+        # the process is faster than the kernel's populate (see docs/performance.md,
+        # "Resuming"). The first load or save of a process pays this.
         # The segment's pages are allocated first (a /dev/shm too small for them is a
         # StagingMemoryError here, not a SIGBUS in the copy). The mapping then belongs to
         # ``u8``'s storage, which holds the segment's buffer: every view of the slab holds it
@@ -151,7 +150,7 @@ class Slab:
                 self._copy_from_cuda(layout, tensors)
             return
         # Small tensors are copied one dispatch at a time on one core: the other core takes
-        # half of them (measured at 20k tensors: 85 ms on one thread, 47 ms on two).
+        # half of them: small copies are Python-bound, and two threads halve that.
         first, second = self.plan
         on_two_threads(
             copy_pieces,
@@ -326,8 +325,8 @@ class SlabPool:
     def reuse_for_load(self, slab: Slab) -> None:
         """A load reads its bytes over this slab: the next save writes the header and padding
         again, and copies every tensor (the slab holds no save's copy now). Its views stay:
-        they are where this layout's tensors lie whatever the bytes (at 20k tensors, making
-        them again took 0.1 s of a resumed run's first save)."""
+        they are where this layout's tensors lie whatever the bytes (making them again is work
+        per tensor that a resumed run's first save would pay)."""
         slab.loaded_over = True
         slab.seen, slab.held = None, []
 
