@@ -62,17 +62,17 @@ def combine(crc1: int, crc2: int, len2: int) -> int:
 
 
 #: Where a whole's crc32c may be folded from its parts' instead of read again: parts that
-#: average at least this many bytes (a fold costs 15-80 us a part, a read about 30 us per
-#: 64 KiB).
+#: average at least this many bytes (below that, a fold a part costs more than reading the
+#: part's bytes again).
 FOLD_MIN_AVERAGE = 64 << 10
 
 
 class Shifts:
     """Multiplying a CRC by x^(8 × n) modulo the polynomial, for a few lengths ``n`` met over
     and over, by table: the product is linear in the CRC's bits, so it is the XOR of one
-    entry per byte of the CRC. A length's four tables of 256 entries cost about 0.5 ms to
-    make (32 products, the rest XORs); a fold through them, under 1 us a part, where
-    :func:`combine` costs 15-80 us. At most ``keep`` lengths are kept."""
+    entry per byte of the CRC. A length's four tables of 256 entries take 32 products to
+    make, the rest XORs; a fold through them is four look-ups a part, far cheaper than
+    :func:`combine`. At most ``keep`` lengths are kept."""
 
     def __init__(self, keep: int = 1024) -> None:
         self._tables: dict[int, tuple[list[int], list[int], list[int], list[int]]] = {}

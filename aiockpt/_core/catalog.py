@@ -144,7 +144,7 @@ class Catalog:
 
         The bytes are read every time; a lazy parse of the same bytes is kept for the next
         lazy read of the step (the last few steps read), with the records it checked since:
-        at 20,000 tensors parsing and checking a manifest again took 100-170 ms of each load.
+        parsing and checking a manifest again would be work per tensor on every load.
         Nobody changes a parsed manifest, and a step rewritten behind the run's back has other
         bytes, so it is parsed anew."""
         data, where = self.manifest_bytes(step)

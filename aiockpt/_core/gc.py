@@ -15,8 +15,8 @@ R = TypeVar("R")
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """Pause the cyclic GC: a 20k-tensor manifest decodes into ~100k fresh containers, and the
-    collector kept re-scanning them (measured: half of parsing time, and a full pass of 100 ms
-    at a random point of a load). Nothing built here is cyclic.
+    collector kept re-scanning them (as long as the parse itself, and a long full pass at
+    any point of a load). Nothing built here is cyclic.
 
     The GC switch is process-wide: whichever caller paused it first turns it back on."""
     enabled = gc.isenabled()

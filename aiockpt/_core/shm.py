@@ -47,7 +47,7 @@ class Segment:
             # mmap of length 0 is an error; an empty save still gets a one-byte segment.
             # MAP_POPULATE maps every page in at once, in the kernel: for a segment that
             # exists (attached), cheaper than a fault per 4 KiB page on first touch (a 1 GiB
-            # slab has 262,144; 60 ms against 180). Pages that do not exist yet are made
+            # slab has 262,144). Pages that do not exist yet are made
             # faster by touching them from the process (see staging.Slab), and not at all
             # for a segment that a read fills at once: zeroing them first doubles the work.
             flags = mmap.MAP_SHARED | (_POPULATE if populate else 0)

@@ -35,10 +35,10 @@ _CHUNK = 64 * 1024 * 1024  # O_DIRECT chunk: a multiple of the alignment
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 #: Reads of at least this many bytes may go past the page cache (see LocalStorage.readinto).
 _DIRECT_MIN = 1024 * 1024
-#: An O_DIRECT read is cut into requests of this size, this many in flight: measured on a
-#: virtio disk at 1 GiB, one request at a time into fresh shared memory read at 0.5-0.7 GB/s
-#: (most of the time faulting pages in), four at a time at 1.2 GB/s; into memory already
-#: faulted in, both at the disk's 2 GB/s.
+#: An O_DIRECT read is cut into requests of this size, this many in flight: into fresh shared
+#: memory, one request at a time leaves the kernel's page faults in line with the I/O, and
+#: several spread them over the readers; into memory already faulted in, both read at the
+#: disk's speed (see docs/performance.md, "The load path, choice by choice").
 _READ_PIECE = 16 * 1024 * 1024
 _READERS = 4
 #: put_if_absent's temporary name is unique per process: its calls in the process take turns.

@@ -265,7 +265,7 @@ def parse_manifest_record(
     checked as parse_manifest checks them, and the files of other steps its block tables
     refer to (for keeping them, so only names that are such files are taken). The rest (20k
     tensor entries, say) is left to the full check of a load: at start-up and for retention
-    that cost 150 ms per checkpoint."""
+    it would be work per tensor for every checkpoint."""
     raw, bad = _decode_manifest(data, path)
     m_step, created, metrics = _manifest_head(raw, bad, step)
     refs = set()
