@@ -58,6 +58,7 @@ async def resume(rank: int, world: int, root: str, args: dict) -> dict:
         exact = exact and torch.equal(plain["model"]["w"], want["model"]["w"])
         tiers = sorted({e.tier for e in events if e.name == "load.tier"})
         incomplete = sorted({e.step for e in events if e.name == "tier.incomplete"})
+        fetched = sorted({e.step for e in events if e.name == "tier.fetched"})
     return {
         "latest": latest,
         "step": target["step"],
@@ -65,6 +66,7 @@ async def resume(rank: int, world: int, root: str, args: dict) -> dict:
         "exact": exact,
         "tiers": tiers,
         "incomplete": incomplete,
+        "fetched": fetched,
     }
 
 

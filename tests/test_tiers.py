@@ -57,8 +57,6 @@ def test_local_tier_checks_its_options(tmp_path):
         AsyncCheckpointManager(tmp_path / "root", local=LocalTier(tmp_path), staging_memory=1 << 20)
     with pytest.raises(ValueError, match="persist_every"):
         AsyncCheckpointManager(tmp_path / "root", local=LocalTier(tmp_path), persist_every=0)
-    with pytest.raises(ValueError, match="not available yet"):
-        AsyncCheckpointManager(tmp_path / "root", local=tier)
 
 
 async def test_one_process_saves_locally_and_persists_every_nth(tmp_path, capsys):
@@ -171,6 +169,18 @@ def test_the_sync_manager_takes_the_tier(tmp_path):
     assert committed(tmp_path / "local") == [3]
 
 
+async def test_replicas_on_one_host_make_no_copies(tmp_path):
+    events = []
+    tier = LocalTier(tmp_path / "local", replicas=1)  # one host: nobody to copy to
+    async with AsyncCheckpointManager(
+        tmp_path / "root", local=tier, persist_every=2, event_handlers=[events.append]
+    ) as mgr:
+        for step in (1, 2, 3):
+            await (await mgr.save(step, state(step)))
+        assert same(await mgr.load(), state(3))
+    assert not [e for e in events if e.tier == "peer"]
+
+
 def run_tiers(scenario: str, world: int, tmp_path: Path, root: str, args: dict) -> list[dict]:
     """Each launch a job of its own: its own store file, as a relaunch has."""
     run = tmp_path / f"run{len(list(tmp_path.glob('run*')))}"
@@ -196,11 +206,15 @@ def test_two_ranks_share_one_hosts_tier(tmp_path):
     assert [(r["latest"], r["step"], r["exact"]) for r in resumed] == [(5, 5, True)] * 2
 
 
-def two_hosts(tmp_path: Path, hosts: tuple[str, str] = ("a", "b")) -> dict:
+def two_hosts(tmp_path: Path, hosts: tuple[str, str] = ("a", "b"), replicas: int = 0) -> dict:
     """4 ranks as 2 simulated hosts, each host's tier its own directory."""
     a, b = hosts
     local = {h: str(tmp_path / f"local-{h}") for h in hosts}
-    return {"hosts": [a, a, b, b], "local": local, "persist_every": 5}
+    return {"hosts": [a, a, b, b], "local": local, "persist_every": 5, "replicas": replicas}
+
+
+def shard_ranks(tier: Path, step: int) -> set[int]:
+    return {int(f[7:12]) for f in os.listdir(tier / step_dirname(step)) if f.startswith("shard_r")}
 
 
 def test_two_hosts_resume_from_their_own_tiers(tmp_path):
@@ -240,3 +254,28 @@ def test_both_tiers_wiped_resume_from_the_root(tmp_path):
         os.system(f"rm -rf {tmp_path / f'local-{host}'}")
     resumed = run_tiers("resume", 4, tmp_path, root, args)
     assert [(r["latest"], r["step"], r["exact"]) for r in resumed] == [(5, 5, True)] * 4
+
+
+def test_a_host_replaced_resumes_from_its_partners_replicas(tmp_path):
+    root = str(tmp_path / "root")
+    args = two_hosts(tmp_path, replicas=1)
+    saved = run_tiers("save", 4, tmp_path, root, args)
+    assert [r["steps"] for r in saved] == [[5, 6, 7]] * 4
+    # Each rank's shard of each step is in its own host's tier and in its partner's.
+    assert [r["events"].count("tier.replicated") for r in saved] == [7] * 4
+    assert all("tier.failed" not in r["events"] for r in saved)
+    for host in ("a", "b"):
+        assert committed(tmp_path / f"local-{host}") == [6, 7]
+        assert shard_ranks(tmp_path / f"local-{host}", 7) == {0, 1, 2, 3}
+    # Host b is lost, its disk with it, and replaced by a fresh host c with an empty tier:
+    # ranks 2 and 3 fetch step 7's shards from host a and resume it bit-exact.
+    os.system(f"rm -rf {tmp_path / 'local-b'}")
+    fresh = two_hosts(tmp_path, ("a", "c"), replicas=1)
+    resumed = run_tiers("resume", 4, tmp_path, root, fresh)
+    assert [(r["latest"], r["step"], r["rank"], r["exact"]) for r in resumed] == [
+        (7, 7, rank, True) for rank in range(4)
+    ]
+    assert [r["tiers"] for r in resumed] == [["local"]] * 4
+    assert [r["fetched"] for r in resumed] == [[], [], [6, 7], [6, 7]]
+    assert committed(tmp_path / "local-c") == [6, 7]
+    assert shard_ranks(tmp_path / "local-c", 7) == {2, 3}

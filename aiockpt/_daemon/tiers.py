@@ -13,6 +13,10 @@ nowhere: its save fails with a :class:`CheckpointError`.
 
 Loads and listings see both tiers through :class:`TierView`: a step the local tier holds is
 read from it, every other from the root.
+
+With ``LocalTier(replicas=k)`` on several hosts, each rank's shard is also copied into its
+partners' tiers before its part of the manifest is handed over, and a replacement host
+fetches its shards from its partners as its daemons start (``peers.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from ..storage import Storage
 from ..storage._local import LocalStorage
 from .coord import Coordinator, Part, publish_manifest
 from .load import Reader
+from .peers import Peers, partners
 from .pipe import Outbox, remote_error
 from .prune import Pruner
 from .rendezvous import StoreRendezvous
@@ -220,16 +225,21 @@ class TierView:
 class Tiers:
     """What a daemon with a local tier holds beyond a plain one."""
 
-    def __init__(self, storage: LocalStorage, catalog: Catalog, writer: Writer) -> None:
+    def __init__(
+        self, storage: LocalStorage, catalog: Catalog, writer: Writer, peers: Peers | None
+    ) -> None:
         self.storage = storage
         self.catalog = catalog
         self.writer = writer
+        self.peers = peers
 
     def collect_partials(self, busy: Callable[[], Collection[int]]) -> list[int]:
         """Remove the local tier's partial steps, as the root's are."""
         return self.catalog.collect_partials(busy)
 
     def close(self) -> None:
+        if self.peers is not None:
+            self.peers.close()
         self.storage.close()
 
 
@@ -251,6 +261,8 @@ class HostCoordinator(Coordinator):
         self.leader = hosts.index(hosts[cfg.rank])
         self.leaders = sorted({hosts.index(h) for h in hosts})
         self._last: list[str] = []  # the keys of the last save, rank 0's to delete
+        #: The copies of this rank's shards to other hosts' tiers, where asked for.
+        self.peers: Peers | None = None
 
     def commit(
         self,
@@ -262,6 +274,8 @@ class HostCoordinator(Coordinator):
         metadata: dict[str, Any],
         replacing: bool = False,
     ) -> float:
+        if self.peers is not None:  # before its part: no save ends before its replicas are in
+            self.peers.replicate(step, part.shard["file"], part.shard["crc32c"])
         created_at = super().commit(
             step=step,
             uuid=uuid,
@@ -386,13 +400,14 @@ def attach(d: Daemon) -> Tiers | None:
     box = LocalOutbox(d.outbox)
     policy = LatestN(tier.keep) if leads_host(cfg) else None  # decided once a host
     pruner = Pruner(catalog, policy, d.in_flight, box)
+    coord = local_coordinator(d, storage)
     local = Writer(
         catalog,
         replace(cfg, dedup=False),  # the local disk is fast: whole shards, no hashing
         slabs=d.slabs,
         windows=d.windows,
         pool=d.pool,
-        coord=local_coordinator(d, storage),
+        coord=coord,
         pruner=pruner,
         outbox=box,
     )
@@ -403,8 +418,36 @@ def attach(d: Daemon) -> Tiers | None:
     def emit(name: str, step: int | None, tier: str, detail: str) -> None:
         d.outbox.event(name, None, step, where="daemon", tier=tier, detail=detail)
 
+    peers = replicas(d, storage, emit)
+    if isinstance(coord, HostCoordinator):
+        coord.peers = peers
     several = len(set(cfg.hosts)) > 1
     view = TierCatalog(TierView(storage, d.storage, emit), cfg.rank, several, emit)
     d.reader = Reader(view, d.slabs, d.pool)
     d.listing = view
-    return Tiers(storage, catalog, local)
+    return Tiers(storage, catalog, local, peers)
+
+
+def replicas(d: Daemon, storage: LocalStorage, emit: Emit) -> Peers | None:
+    """This daemon's peer replicas, where its tier asks for some and there are other hosts
+    (none on one host): its server up and its address in the job's store, then the shards
+    its partners hold and this host's tier lacks fetched (a replacement host's recovery),
+    before the first listing or load."""
+    cfg: Hello = d.cfg
+    tier: Any = cfg.local
+    targets = partners(cfg.hosts, cfg.rank, tier.replicas) if cfg.hosts else []
+    if not targets or d.store_ops is None:
+        return None
+    assert cfg.dist_timeout is not None
+
+    def say(name: str, step: int | None, detail: str) -> None:
+        emit(name, step, "peer", detail)
+
+    try:
+        peers = Peers(storage, d.store_ops, cfg.rank, targets, cfg.dist_timeout, say)
+    except Exception as e:  # the tier goes on without this rank's replicas
+        say("tier.failed", None, f"no peer replicas from rank {cfg.rank}: {e}")
+        Peers.unreachable(d.store_ops, cfg.rank)
+        return None
+    peers.fetch()
+    return peers

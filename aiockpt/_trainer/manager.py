@@ -409,11 +409,6 @@ def tiers_of(
         raise TypeError(f"local must be an aiockpt.LocalTier, not {type(local).__name__}")
     if read_only:
         raise ValueError("a read_only manager writes no local tier: leave local= out")
-    if local.replicas:
-        raise ValueError(
-            "LocalTier(replicas=...) above 0 is not available yet: each host's tier holds the "
-            "shards written there, and a lost host's steps load from the root"
-        )
     if staging_memory is not None:
         raise ValueError(
             "a local tier writes each save twice from one slab: it cannot be combined with "

@@ -53,6 +53,8 @@ EVENTS: dict[str, EventKind] = {
     "tier.delete": EventKind(_D, INFO),
     "tier.failed": EventKind(_D, WARNING),
     "tier.incomplete": EventKind(_D, INFO),
+    "tier.replicated": EventKind(_D, DEBUG),
+    "tier.fetched": EventKind(_D, INFO),
     "load.tier": EventKind(_D, DEBUG),
 }
 EVENT_NAMES = frozenset(EVENTS)
