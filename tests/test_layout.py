@@ -170,3 +170,17 @@ def test_no_module_over_500_lines():
         if (n := len(path.read_text().splitlines())) > 500
     }
     assert too_long == {}
+
+
+def test_no_function_of_the_load_wing_takes_more_than_6_parameters():
+    """A load's request and its handling pass small frozen values (LoadAsk, Target, ...),
+    not long lists of switches."""
+    too_many = []
+    for path in [*modules("_daemon", "load"), *modules("_trainer", "load")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                names = [x.arg for x in [*a.posonlyargs, *a.args, *a.kwonlyargs]]
+                if len([n for n in names if n not in ("self", "cls")]) > 6:
+                    too_many.append(f"{path.name}:{node.lineno} {node.name}")
+    assert too_many == []

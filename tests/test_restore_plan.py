@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiockpt._trainer.load import restore
-from aiockpt._trainer.load.restore import plan_restore
+from aiockpt._trainer.load.restore import Target, plan_restore
 from aiockpt.errors import LoadMismatchError
 
 #: What a test may do to one key of the target before it is restored into.
@@ -52,7 +52,8 @@ def saved_and_target(n: int, changes: dict[int, str], int_keys: bool) -> tuple[A
 def plan(target: dict, tree: Any, tensors: dict, strict: bool) -> Any:
     """The plan's observable outcome: the error, or what it copies, sets and left out."""
     try:
-        r = plan_restore({"p": target}, {"D": [["p", tree]]}, tensors, tensors, {}, strict, None)
+        into = Target({"p": target}, {}, strict, None)
+        r = plan_restore(into, {"D": [["p", tree]]}, tensors, tensors)
     except LoadMismatchError as e:
         return ("error", str(e))
     return (
@@ -91,7 +92,7 @@ def test_a_dict_of_matching_tensors_is_planned_as_a_whole(monkeypatch):
         raise AssertionError("walked key by key")
 
     monkeypatch.setattr(restore._Restorer, "tensor", no_walk)
-    r = plan_restore(target, tree, tensors, tensors, {}, True, None)
+    r = plan_restore(Target(target, {}, True, None), tree, tensors, tensors)
     assert [id(t) for t in r.dsts] == [id(t) for t in target.values()]
     assert [id(t) for t in r.srcs] == [id(t) for t in tensors.values()]
     r.finish(torch._foreach_copy_)
@@ -103,7 +104,7 @@ def test_a_dict_of_matching_tensors_is_planned_as_a_whole(monkeypatch):
 def test_a_mismatch_in_a_large_dict_names_its_key(change):
     tree, tensors, target = saved_and_target(40, {7: change}, False)
     with pytest.raises(LoadMismatchError, match="^w7: saved torch.float32"):
-        plan_restore(target, tree, tensors, tensors, {}, True, None)
+        plan_restore(Target(target, {}, True, None), tree, tensors, tensors)
 
 
 def test_planning_adds_no_key_to_a_defaultdict():
@@ -111,6 +112,6 @@ def test_planning_adds_no_key_to_a_defaultdict():
     nothing."""
     tree, tensors, plain = saved_and_target(40, {5: "missing"}, False)
     target = collections.defaultdict(lambda: torch.zeros(1), plain)
-    r = plan_restore(target, tree, tensors, tensors, {}, False, None)
+    r = plan_restore(Target(target, {}, False, None), tree, tensors, tensors)
     assert sorted(target) == sorted(plain)
     assert r.only_saved == ["w5"]

@@ -23,10 +23,9 @@ from ..staging import Layout, LayoutCache, Slab, SlabPool, copy_pairs
 from ..state import Flat, Flattener, StaleFlat
 from .early import collected, load_fresh, while_read
 from .request import Into, Read, Windowed
-from .restore import Restored
+from .restore import Restored, Target
 from .restore_order import plan_restore
 from .targets import (
-    Target,
     _check_step,
     _say_left_out,
     init_optimizer_states,
@@ -179,9 +178,7 @@ class Loader:
                 )
             else:  # read into a fresh segment: no slab, or one too small
                 tensors = map_loaded(reply)
-                plan = functools.partial(
-                    plan_restore, into, reply.tree, tensors, tensors, *target.how()
-                )
+                plan = functools.partial(plan_restore, target, reply.tree, tensors, tensors)
                 planned = await anyio.to_thread.run_sync(plan)
                 agreement.checked(reply.step)
                 restored = await anyio.to_thread.run_sync(planned.finish, copy_pairs)
@@ -219,7 +216,7 @@ class Loader:
             else:
                 tensors = views(slab.u8, reply.tensors, fills[0])
             fresh = _Later(tensors, fills[1])
-            return plan_restore(target.into, reply.tree, tensors, fresh, *target.how())
+            return plan_restore(target, reply.tree, tensors, fresh)
 
         # A failure is raised once the slab is the trainer's again; nothing was changed.
         collect = functools.partial(self._lending, CollectReq, name=name)

@@ -1,5 +1,5 @@
 """Rebuild a loaded state (:func:`unflatten`) or restore it into existing objects
-(:func:`plan_restore`, :func:`load_into`): everything checked before anything changes."""
+(:func:`plan_restore`): everything checked before anything changes."""
 
 from __future__ import annotations
 
@@ -209,56 +209,42 @@ def _as_dtensor(held: Any, src: torch.Tensor, path: str) -> Any:
     )
 
 
-@no_gc
-def load_into(
-    target: Any,
-    tree: Any,
-    tensors: Mapping[str, torch.Tensor],
-    *,
-    copy: Callable[[list[torch.Tensor], list[torch.Tensor]], None] = torch._foreach_copy_,
-    held: Mapping[str, Any] | None = None,
-    strict: bool = True,
-    scope: tuple[str, ...] | None = None,
-) -> Any:
-    """Restore ``tree`` into ``target`` in place where it can; return the restored value.
-
-    Everything is checked before anything changes: keys (with ``strict``: the saved keys and
-    the target's keys of every dict must be the same), tensor shapes and dtypes, and what a
-    module's or optimizer's load_state_dict would refuse. A mismatch raises
-    :class:`LoadMismatchError` and leaves ``target`` as it was. Then tensors are copied into
-    the target's tensors (a DTensor's: into its local tensor), all in one ``copy(targets,
-    sources)`` call; anything else gets ``tensors`` themselves (a load that reads into a
-    reused slab plans with plan_restore instead, handing over tensors of their own).
-    ``held`` has the target's DTensors by key path (dtensor.Held). Without ``strict``, what
-    both hold is restored and the rest left as it is: saved keys the target lacks are not
-    added, target keys the checkpoint lacks keep their values; the returned Restored says
-    which. ``scope`` (the key
-    paths a load selected) limits the key check to what lies under them.
-    """
-    return plan_restore(target, tree, tensors, tensors, held, strict, scope).finish(copy)
-
-
 @no_gc  # the walk's lists and sizes: a full GC pass over them is long at many tensors
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What a restore goes into: ``into``, its DTensors by key path (dtensor.Held), whether
+    keys must match, and the key paths the key check is limited to (None: all)."""
+
+    into: Any
+    held: Mapping[str, Any]
+    strict: bool
+    scope: tuple[str, ...] | None
+
+
 def plan_restore(
-    target: Any,
+    target: Target,
     tree: Any,
     tensors: Mapping[str, torch.Tensor],
     fresh: Mapping[str, torch.Tensor],
-    held: Mapping[str, Any] | None,
-    strict: bool,
-    scope: tuple[str, ...] | None,
     make: Callable[..., _Restorer] | None = None,
 ) -> _Restorer:
-    """The checks and the plan of :func:`load_into`, nothing changed yet: ``tensors`` are
-    the sources copied in place (``Restorer.srcs`` are them or views of them), ``fresh``
-    gives the values that are handed over instead (a module's or optimizer's state dict, a
-    tensor with no tensor to copy into); ``finish`` then makes the changes. ``make``: the
-    restorer's class (a subclass that carries the plan out in another order, say)."""
-    restorer = (make or _Restorer)(tensors, fresh, held or {})
-    restorer.strict = strict
-    restorer.result = restorer.restore(target, tree, "")
-    if scope is not None:  # target keys outside the selection read were not asked for
-        asked = KeyPaths(scope)
+    """The plan of a restore of ``tree`` into ``target``, everything checked and nothing
+    changed yet: keys (with ``target.strict``: the saved keys and the target's keys of every
+    dict must be the same), tensor shapes and dtypes, and what a module's or optimizer's
+    load_state_dict would refuse; a mismatch raises :class:`LoadMismatchError`. ``finish``
+    then makes the changes: tensors copied into the target's tensors (a DTensor's: into its
+    local tensor) from ``tensors`` (``Restorer.srcs`` are them or views of them), and
+    ``fresh`` handed over instead where a value is handed over (a module's or optimizer's
+    state dict, a tensor with no tensor to copy into). Without ``strict``, what both hold is
+    restored and the rest left as it is: saved keys the target lacks are not added, target
+    keys the checkpoint lacks keep their values; the Restored says which. ``target.scope``
+    (the key paths a load selected) limits the key check to what lies under them. ``make``:
+    the restorer's class (a subclass that carries the plan out in another order, say)."""
+    restorer = (make or _Restorer)(tensors, fresh, target.held)
+    restorer.strict = strict = target.strict
+    restorer.result = restorer.restore(target.into, tree, "")
+    if target.scope is not None:  # target keys outside the selection read were not asked for
+        asked = KeyPaths(target.scope)
         restorer.only_target = [p for p in restorer.only_target if asked.selects(p)]
     if strict and (restorer.only_saved or restorer.only_target):
         raise LoadMismatchError(restorer.key_difference())
@@ -267,7 +253,7 @@ def plan_restore(
 
 @dataclass(frozen=True, slots=True)
 class Restored:
-    """What load_into did: the restored value, and the key paths the checkpoint and the target
+    """What a restore did: the restored value, and the key paths the checkpoint and the target
     did not share."""
 
     value: Any
@@ -287,7 +273,7 @@ def _listed(paths: list[str], limit: int = 10) -> str:
 
 
 class _Restorer:
-    """One load_into: the walk of the target against the tree, checking as it goes and
+    """One restore: the walk of the target against the tree, checking as it goes and
     collecting what to change; nothing changes until the walk is over."""
 
     def __init__(

@@ -16,7 +16,7 @@ from typing import Any, cast
 import torch
 
 from . import restore
-from .restore import Restored, _Restorer
+from .restore import Restored, Target, _Restorer
 
 
 class OrderedRestorer(_Restorer):
@@ -55,16 +55,11 @@ class OrderedRestorer(_Restorer):
 
 
 def plan_restore(
-    target: Any,
+    target: Target,
     tree: Any,
     tensors: Mapping[str, torch.Tensor],
     fresh: Mapping[str, torch.Tensor],
-    held: Mapping[str, Any] | None,
-    strict: bool,
-    scope: tuple[str, ...] | None,
 ) -> OrderedRestorer:
     """:func:`aiockpt._trainer.load.restore.plan_restore`, carried out in the global order."""
-    planned = restore.plan_restore(
-        target, tree, tensors, fresh, held, strict, scope, make=OrderedRestorer
-    )
+    planned = restore.plan_restore(target, tree, tensors, fresh, make=OrderedRestorer)
     return cast(OrderedRestorer, planned)

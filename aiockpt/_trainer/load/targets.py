@@ -3,7 +3,6 @@ keys it asks for, what its DTensors want, its optimizers' states; and what it le
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,21 +13,6 @@ from ...events import logger
 from ..objects import _dtensor_type, is_stateful
 from ..state import TORCH_TO_ST
 from .restore import Restored
-
-
-@dataclass(frozen=True, slots=True)
-class Target:
-    """What a load restores into: ``into``, its DTensors by key path (dtensor.Held), whether
-    keys must match, and the key paths the key check is limited to (None: all)."""
-
-    into: Any
-    held: dict[str, Any]
-    strict: bool
-    scope: tuple[str, ...] | None
-
-    def how(self) -> tuple[dict[str, Any], bool, tuple[str, ...] | None]:
-        """``held``, ``strict`` and ``scope``: the last arguments of plan_restore."""
-        return self.held, self.strict, self.scope
 
 
 def wanted_boxes(held: dict[str, Any]) -> dict[str, Wanted]:

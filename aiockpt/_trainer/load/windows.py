@@ -20,9 +20,8 @@ from ..._core.protocol import LoadReply, SlabRef, TensorAt
 from ..staging import Slab, copy_pairs
 from .early import while_read
 from .request import Read, Windowed
-from .restore import Restored
+from .restore import Restored, Target
 from .restore_order import plan_restore
-from .targets import Target
 from .views import views
 
 
@@ -83,7 +82,7 @@ async def plan_while(
     """The restore of a load in windows, planned while ``read()`` runs (the checking pass,
     or a streamed load's first window; nothing changes yet), and what ``read`` returned;
     raised, the read's failure first."""
-    plan = functools.partial(WindowedRestore, reply, target.into, *target.how())
+    plan = functools.partial(WindowedRestore, reply, target)
     return await while_read(read, plan)
 
 
@@ -101,16 +100,8 @@ class WindowedRestore:
     """
 
     @no_gc  # 20k placeholders and spans: see gc_paused
-    def __init__(
-        self,
-        reply: LoadReply,
-        into: Any,
-        held: dict[str, Any],
-        strict: bool,
-        scope: tuple[str, ...] | None,
-    ) -> None:
-        self._into, self._tree, self._held = into, reply.tree, held
-        self._strict, self._scope = strict, scope
+    def __init__(self, reply: LoadReply, target: Target) -> None:
+        self._target, self._tree = target, reply.tree
         self._at = {name: at[2] for name, at in reply.tensors.items()}
         whole = torch.empty(reply.size, dtype=torch.uint8, device="meta")
         self._meta = meta = views(whole, reply.tensors)
@@ -119,9 +110,7 @@ class WindowedRestore:
         # What is handed over gets its own tensor at once, not a placeholder: building the
         # values handed over may look at them (a DTensor's local tensor is moved to its
         # device, an array viewed); their bytes come later.
-        self._first = first = plan_restore(
-            into, reply.tree, meta, _Asked(self._own_tensor, meta), held, strict, scope
-        )
+        self._first = first = plan_restore(target, reply.tree, meta, _Asked(self._own_tensor, meta))
         name_of = _Placeholders(meta, whole, reply.tensors)
         direct: list[tuple[str, torch.Tensor]] = []
         for dst, src in zip(first.dsts, first.srcs, strict=True):
@@ -192,8 +181,7 @@ class WindowedRestore:
         needs it."""
         if self._own:
             sources = {**self._meta, **self._own}
-            args = (self._held, self._strict, self._scope)
-            plan = plan_restore(self._into, self._tree, sources, _Handed(self._own), *args)
+            plan = plan_restore(self._target, self._tree, sources, _Handed(self._own))
         else:
             plan = self._first
 
