@@ -14,7 +14,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["HOST_ID_ENV", "LocalTier", "host_id"]
+__all__ = ["HOST_ID_ENV", "LocalTier", "host_id", "leads_host"]
 
 #: The environment variable that names this host, where set (tests simulate hosts with it).
 HOST_ID_ENV = "AIOCKPT_HOST_ID"
@@ -60,6 +60,14 @@ def _make(path: str, keep: int, replicas: int) -> LocalTier:
 def _count(name: str, value: object, least: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         raise ValueError(f"LocalTier's {name} must be an int of at least {least}, not {value!r}")
+
+
+def leads_host(hosts: tuple[str, ...], rank: int) -> bool:
+    """Whether ``rank`` is the first rank of its host (``hosts``: each rank's, by rank; empty
+    for one process): the one that commits, prunes and cleans its host's tier."""
+    if not hosts:
+        return rank == 0
+    return hosts.index(hosts[rank]) == rank
 
 
 def host_id() -> str:

@@ -279,3 +279,20 @@ def test_a_host_replaced_resumes_from_its_partners_replicas(tmp_path):
     assert [r["fetched"] for r in resumed] == [[], [], [6, 7], [6, 7]]
     assert committed(tmp_path / "local-c") == [6, 7]
     assert shard_ranks(tmp_path / "local-c", 7) == {2, 3}
+
+
+def test_every_hosts_tier_loses_its_partial_steps_at_open(tmp_path):
+    """A save cut short leaves a step directory without a manifest in each host's tier; the
+    next open removes it on every host, not only on rank 0's."""
+    root = str(tmp_path / "root")
+    args = two_hosts(tmp_path)
+    run_tiers("save", 4, tmp_path, root, args)
+    for host, rank in (("a", 0), ("b", 2)):
+        partial = tmp_path / f"local-{host}" / step_dirname(3)
+        partial.mkdir()
+        (partial / f"shard_r{rank:05d}.0123456789abcdef.safetensors").write_bytes(b"cut short")
+    resumed = run_tiers("resume", 4, tmp_path, root, args)
+    assert [(r["step"], r["exact"]) for r in resumed] == [(7, True)] * 4
+    for host in ("a", "b"):
+        assert not (tmp_path / f"local-{host}" / step_dirname(3)).exists(), host
+        assert committed(tmp_path / f"local-{host}") == [6, 7]

@@ -197,7 +197,7 @@ class Daemon:
     def _collect_partials(self, req: CollectPartialsReq) -> tuple[int, ...]:
         if self.lease is not None:
             self.lease.check("remove partial steps")
-        removed = self.catalog.collect_partials(self.in_flight.snapshot)
+        removed = self.catalog.collect_partials(self.in_flight.snapshot) if req.root else []
         if self.tiers is not None:
             self.tiers.collect_partials(self.in_flight.snapshot)
         return tuple(removed)

@@ -34,6 +34,7 @@ from ..errors import CheckpointError, StorageError
 from ..retention import LatestN
 from ..storage import Storage
 from ..storage._local import LocalStorage
+from ..tiers import leads_host as first_of_host
 from .coord import Coordinator, Part, publish_manifest
 from .load import Reader
 from .peers import Peers, partners
@@ -328,9 +329,7 @@ class HostCoordinator(Coordinator):
 
 def leads_host(cfg: Hello) -> bool:
     """Whether this rank is its host's first: the one that commits and prunes its tier."""
-    if not cfg.hosts:
-        return cfg.rank == 0
-    return cfg.hosts.index(cfg.hosts[cfg.rank]) == cfg.rank
+    return first_of_host(cfg.hosts, cfg.rank)
 
 
 def local_coordinator(d: Daemon, storage: Storage) -> Coordinator | None:

@@ -117,7 +117,9 @@ class DaemonClient(Protocol):
     @overload
     async def request(self, kind: type[RecordsReq]) -> tuple[StepRecord, ...]: ...
     @overload
-    async def request(self, kind: type[CollectPartialsReq]) -> tuple[int, ...]: ...
+    async def request(
+        self, kind: type[CollectPartialsReq], *, root: bool = True
+    ) -> tuple[int, ...]: ...
     @overload
     async def request(
         self, kind: type[PublishFailureReq], *, step: int, uuid: str, message: str

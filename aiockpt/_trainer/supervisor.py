@@ -19,6 +19,7 @@ from .._core.protocol import (
     StepsReq,
 )
 from ..errors import CheckpointError, DaemonDiedError, DaemonStartError, RootLockedError
+from ..tiers import leads_host
 from .client import DaemonCallbacks, DaemonClient
 from .dist import Group
 from .ledger import Emit, Ledger
@@ -97,6 +98,8 @@ class Supervisor:
             group.barrier()
             if group.rank == 0 and hello.lease is not None:  # a writer, holding the root
                 await (await self.live()).request(CollectPartialsReq)
+            elif hello.local is not None and leads_host(hello.hosts, group.rank):
+                await (await self.live()).request(CollectPartialsReq, root=False)  # its tier
             group.barrier()
         self._ledger.committed = set(await (await self.live()).request(StepsReq))
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: Bumped on any change to these messages; checked by both ends in the handshake.
-PROTOCOL = 16
+PROTOCOL = 17
 
 #: How a loaded tensor lies in shared memory: (safetensors dtype, shape, byte offset).
 TensorAt = tuple[str, tuple[int, ...], int]
@@ -212,7 +212,10 @@ class RecordsReq(ReadReq):
 @dataclass(frozen=True, slots=True)
 class CollectPartialsReq(ReadReq):
     """Remove partial step directories that no save can still be writing: a tuple of the
-    steps removed."""
+    root's steps removed. ``root=False``: the local tier's alone (another host's first rank:
+    each host's tier is its own)."""
+
+    root: bool = True
 
 
 @dataclass(frozen=True, slots=True)
