@@ -70,7 +70,14 @@ async def resume(rank: int, world: int, root: str, args: dict) -> dict:
     }
 
 
-SCENARIOS = {"save": save, "resume": resume}
+async def delete(rank: int, world: int, root: str, args: dict) -> dict:
+    async with manager(rank, root, args) as mgr:
+        await mgr.delete(args["delete"])
+        steps = await mgr.steps()
+    return {"steps": steps}
+
+
+SCENARIOS = {"save": save, "resume": resume, "delete": delete}
 
 if __name__ == "__main__":
     serve_rank(SCENARIOS)

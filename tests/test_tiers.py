@@ -111,6 +111,29 @@ async def test_the_tier_never_holds_more_than_keep(tmp_path):
     assert committed(tmp_path / "root") == []
 
 
+async def test_delete_removes_a_step_from_every_tier(tmp_path):
+    """A deleted step never comes back from the tier: delete() removes it wherever it lies,
+    the tier and the root, and refuses a step in neither."""
+    root, local = tmp_path / "root", tmp_path / "local"
+    tier = LocalTier(local, keep=3)
+    async with AsyncCheckpointManager(root, local=tier, persist_every=2) as mgr:
+        for step in range(1, 5):
+            await (await mgr.save(step, state(step)))
+        assert (committed(local), committed(root)) == ([2, 3, 4], [2, 4])
+        await mgr.delete(2)  # in both
+        await mgr.delete(3)  # in the tier alone
+        assert (committed(local), committed(root)) == ([4], [4])
+        assert await mgr.steps() == [4]
+        with pytest.raises(CheckpointError, match="not a committed"):
+            await mgr.delete(1)  # in neither
+        with pytest.raises(CheckpointError, match="allow_latest"):
+            await mgr.delete(4)
+        await mgr.delete(4, allow_latest=True)
+        assert await mgr.steps() == []
+    async with AsyncCheckpointManager(root, local=tier, persist_every=2) as mgr:
+        assert await mgr.steps() == []
+
+
 async def test_wiped_tier_resumes_from_the_root(tmp_path):
     root, local = tmp_path / "root", tmp_path / "local"
     tier = LocalTier(local, keep=2)
@@ -279,6 +302,18 @@ def test_a_host_replaced_resumes_from_its_partners_replicas(tmp_path):
     assert [r["fetched"] for r in resumed] == [[], [], [6, 7], [6, 7]]
     assert committed(tmp_path / "local-c") == [6, 7]
     assert shard_ranks(tmp_path / "local-c", 7) == {2, 3}
+
+
+def test_delete_on_several_hosts_removes_the_step_from_every_tier(tmp_path):
+    root = str(tmp_path / "root")
+    args = two_hosts(tmp_path)
+    run_tiers("save", 4, tmp_path, root, args)
+    deleted = run_tiers("delete", 4, tmp_path, root, {**args, "delete": 6})
+    assert [r["steps"] for r in deleted] == [[5, 7]] * 4
+    for host in ("a", "b"):
+        assert committed(tmp_path / f"local-{host}") == [7], host
+    resumed = run_tiers("resume", 4, tmp_path, root, args)
+    assert [(r["step"], r["exact"]) for r in resumed] == [(7, True)] * 4
 
 
 def test_every_hosts_tier_loses_its_partial_steps_at_open(tmp_path):

@@ -203,7 +203,10 @@ class Daemon:
         return tuple(removed)
 
     def _delete(self, req: DeleteReq) -> None:
-        self.pruner.delete(req.step, req.allow_latest)
+        if self.tiers is not None:
+            self.tiers.delete(req, self.pruner)
+        else:
+            self.pruner.delete(req.step, req.allow_latest)
 
     def _publish_failure(self, req: PublishFailureReq) -> None:
         # A respawned daemon tells the other ranks that its predecessor's save failed.

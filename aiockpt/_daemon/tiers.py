@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 from .._core import format as fmt
 from .._core.catalog import Catalog, manifest_path
-from .._core.protocol import EventMsg, Hello, SaveDone, SaveReq, SlabFree
+from .._core.protocol import DeleteReq, EventMsg, Hello, SaveDone, SaveReq, SlabFree
 from .._core.storeops import StoreOps
-from ..errors import CheckpointError, StorageError
+from ..errors import CheckpointError, CheckpointNotFoundError, InvalidStepError, StorageError
 from ..retention import LatestN
 from ..storage import Storage
 from ..storage._local import LocalStorage
@@ -233,6 +233,33 @@ class Tiers:
         self.catalog = catalog
         self.writer = writer
         self.peers = peers
+
+    def delete(self, req: DeleteReq, root: Pruner) -> None:
+        """``delete(step)`` where there is a tier: the step goes from the tier and the root,
+        wherever it lies, or it would come back from the one it was left in. The checks are
+        of both: a step in neither is not committed, and the newest of either is the one a
+        resume loads."""
+        step, tier = req.step, self.writer.pruner
+        here = self.catalog.committed_steps()
+        there = root.catalog.committed_steps() if req.root else []
+        if not req.root:  # rank 0 checked it, and deleted it from the root
+            if step in here:
+                tier.delete(step, allow_latest=True)
+            return
+        if step not in here and step not in there:
+            raise CheckpointNotFoundError(
+                f"step {step} is not a committed checkpoint in {root.catalog.storage.url} "
+                f"nor in its local tier {self.storage.root}"
+            )
+        if step == max(here + there) and not req.allow_latest:
+            raise InvalidStepError(
+                f"step {step} is the newest committed checkpoint, which a resume loads; pass "
+                "allow_latest=True to delete it"
+            )
+        if step in there:  # a crash between the two leaves it in one: delete() again ends it
+            root.delete(step, allow_latest=True)
+        if step in here:
+            tier.delete(step, allow_latest=True)
 
     def collect_partials(self, busy: Callable[[], Collection[int]]) -> list[int]:
         """Remove the local tier's partial steps, as the root's are."""

@@ -21,6 +21,7 @@ from ..errors import (
     StagingMemoryError,
     StateChangedError,
 )
+from ..tiers import leads_host
 from . import dist as _dist
 from .checks import clean_metadata, clean_metrics
 from .client import DaemonClient
@@ -122,12 +123,18 @@ class Saver:
             await self._delete(step, allow_latest)
         else:
             await deleted_by_rank_0(group, step, allow_latest, self._delete)
+            hello = self._daemons.hello
+            if hello.local is not None:
+                await deleted_from_tiers(group, step, hello.hosts, self._delete_in_tier)
         self._ledger.committed.discard(step)
 
-    async def _delete(self, step: int, allow_latest: bool) -> None:
+    async def _delete(self, step: int, allow_latest: bool, *, root: bool = True) -> None:
         d = await self._daemons.live()
         request: Any = d.request  # (DeleteReq is answered by the writer, after the saves)
-        await request(DeleteReq, step=step, allow_latest=allow_latest)
+        await request(DeleteReq, step=step, allow_latest=allow_latest, root=root)
+
+    async def _delete_in_tier(self, step: int) -> None:
+        await self._delete(step, True, root=False)
 
     async def _submit(
         self, group: _dist.Group | None, handle: SaveHandle, state: Any, *args: Any
@@ -344,6 +351,31 @@ async def deleted_by_rank_0(
         raise error
     if told is not None:
         raise _as_raised_on_rank_0(told[0], f"delete({step}) failed on rank 0: {told[1]}")
+
+
+async def deleted_from_tiers(
+    group: _dist.Group,
+    step: int,
+    hosts: tuple[str, ...],
+    delete: Callable[[int], Awaitable[None]],
+) -> None:
+    """After rank 0 deleted ``step`` from the root and its host's tier: the first rank of
+    every other host deletes it from its own, and any failure is every rank's."""
+    error: Exception | None = None
+    if group.rank != 0 and leads_host(hosts, group.rank):
+        try:
+            await delete(step)
+        except Exception as e:  # told to the others before it is raised
+            error = e
+    said = None if error is None else (group.rank, type(error).__name__, str(error))
+    told = [t for t in group.all_gather(said, f"the tiers' delete({step})") if t is not None]
+    if error is not None:
+        raise error
+    if told:
+        rank, kind, shown = told[0]
+        raise CheckpointError(
+            f"delete({step}) failed in rank {rank}'s local tier: {shown} ({kind})"
+        )
 
 
 def _as_raised_on_rank_0(kind: str, shown: str) -> CheckpointError:

@@ -128,6 +128,12 @@ class Supervisor:
         assert d is not None
         return d
 
+    @property
+    def hello(self) -> Hello:
+        """What the daemons were started with."""
+        assert self._hello is not None, "start() comes first"
+        return self._hello
+
     async def live(self) -> DaemonClient:
         """The running daemon; after a death, a new one (which may have committed saves the
         dead one had pending, so the committed steps are read again)."""

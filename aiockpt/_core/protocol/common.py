@@ -231,10 +231,13 @@ class PublishFailureReq(ReadReq):
 class DeleteReq(ReadReq):
     """Delete the committed ``step`` as retention would, manifest first, keeping the bytes a
     kept step reads (value: None). Queued behind the saves sent before it, on the writer's
-    thread; the newest committed step is refused unless ``allow_latest``."""
+    thread; the newest committed step is refused unless ``allow_latest``. Where there is a
+    local tier the step goes from it and the root alike; ``root=False``: from the tier alone,
+    where it is there (another host's first rank, after rank 0 deleted it)."""
 
     step: int
     allow_latest: bool = False
+    root: bool = True
 
 
 @dataclass(frozen=True, slots=True)
