@@ -23,6 +23,7 @@ from _crash_record import (
     read_log,
     record_incremental,
     record_single,
+    record_tier,
     record_two_writers,
 )
 from _support.ranks import run_ranks
@@ -52,6 +53,13 @@ def incremental(tmp_path_factory):
     """The recorded single-rank run of incremental checkpoints."""
     tmp = tmp_path_factory.mktemp("incremental")
     return anyio.run(record_incremental, str(tmp / "run"), str(tmp / "log"))
+
+
+@pytest.fixture(scope="module")
+def tier(tmp_path_factory):
+    """The recorded single-rank run with a recorded local tier and a plain root."""
+    tmp = tmp_path_factory.mktemp("tier")
+    return anyio.run(record_tier, str(tmp / "root"), str(tmp / "tier"), str(tmp / "log"))
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +133,22 @@ def test_the_fenced_writer_resumes_after_the_new_holder_committed(two_writers):
     assert all(r.get("path") in (fenced_file, step_dir.rstrip("/")) for r in late[1:])
 
 
+def test_the_tier_run_commits_prunes_and_collects_in_the_tier(tier):
+    """Recorded before the async checks (its fixture runs its own event loop): every step
+    committed in the tier, its retention deleted steps 1 and 2 there (2 is in the root too),
+    and the new manager's open removed the partial step 3."""
+    records = tier.records
+    commits = [r["path"] for r in records if r.get("call") == "put_if_absent"]
+    for step in (1, 2, 4, 5):
+        assert f"step_{step:012d}/manifest.json" in commits
+    deletes = [r["path"] for r in records if r.get("call") == "delete"]
+    for step in (1, 2):
+        assert f"step_{step:012d}/manifest.json" in deletes
+    last = max(i for i, r in enumerate(records) if "durable" in r)
+    assert any(r.get("path") == "step_000000000003" for r in records[last:])
+    assert [r["durable"] for r in records if "durable" in r] == [1, 2, 4, 5]
+
+
 FLOORS = {  # crash states checked at least, (sampled, full); see docs/crash-points.md
     ("single", "ordered"): (150, 230),
     ("single", "posix"): (250, 2000),
@@ -138,11 +162,14 @@ FLOORS = {  # crash states checked at least, (sampled, full); see docs/crash-poi
     ("writers", "ordered"): (400, 40000),
     ("writers", "posix"): (400, 400000),
     ("writers", "objects"): (80, 80),
+    ("tier", "ordered"): (150, 230),
+    ("tier", "posix"): (250, 1400),
+    ("tier", "objects"): (18, 18),
 }
 
 
 @pytest.mark.parametrize("model", ["ordered", "posix", "objects"])
-@pytest.mark.parametrize("scenario", ["single", "ranks", "incremental", "writers"])
+@pytest.mark.parametrize("scenario", ["single", "ranks", "incremental", "writers", "tier"])
 async def test_every_crash_state_keeps_the_promises(scenario, model, request, tmp_path):
     fixture = {"ranks": "two_ranks", "writers": "two_writers"}.get(scenario, scenario)
     rec = request.getfixturevalue(fixture)
