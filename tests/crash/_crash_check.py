@@ -104,7 +104,7 @@ def verify(root: str) -> dict[int, list[str]]:
 def written_files(records: list[dict[str, Any]]) -> dict[str, bytes]:
     """What the recorded run wrote into step directories, by path: the reference."""
     out = {}
-    writes = ("write_file", "put_atomic", "put_if_absent")
+    writes = ("write_file", "put_atomic", "put_if_absent", "receive")
     for r in records:
         if (
             r["op"] == "api"

@@ -16,8 +16,10 @@ The default run checks a seeded sample; ``AIOCKPT_CRASH_ALL=1`` checks every sta
 from __future__ import annotations
 
 import anyio
+import crc32c
 import pytest
 from _crash_checker import FULL, Budget, check
+from _crash_model import CrashState, FsModel, object_states
 from _crash_record import (
     CONTESTED,
     read_log,
@@ -27,7 +29,9 @@ from _crash_record import (
     record_two_writers,
 )
 from _support.ranks import run_ranks
+from aiockpt_crash_recorder import RecordingStorage, mark
 
+from aiockpt.errors import StorageError
 from aiockpt.storage import registered_protocols
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(7200 if FULL else 900)]
@@ -147,6 +151,47 @@ def test_the_tier_run_commits_prunes_and_collects_in_the_tier(tier):
     last = max(i for i, r in enumerate(records) if "durable" in r)
     assert any(r.get("path") == "step_000000000003" for r in records[last:])
     assert [r["durable"] for r in records if "durable" in r] == [1, 2, 4, 5]
+
+
+def test_a_peer_replica_is_whole_under_its_name_in_every_crash_state(tmp_path):
+    """A peer replica's arrival (``LocalStorage.receive``, into which the daemon's
+    ``receive_file`` streams what a partner sends, and a replacement host's fetch): in every
+    crash state of every model, the file's name holds nothing or all of its bytes, and all of
+    them once ``receive`` has returned; a second copy never replaces it, a copy that fails
+    its crc32c leaves nothing, and no temporary file survives a finished call."""
+    (tmp_path / "tier").mkdir()
+    log = str(tmp_path / "log")
+    storage = RecordingStorage(str(tmp_path / "tier"), log=log)
+    storage.makedirs("step_000000000001")
+    path = "step_000000000001/shard_r00000.0123456789abcdef.safetensors"
+    data = bytes(range(256)) * 1000
+    pieces = [data[i : i + 100_000] for i in range(0, len(data), 100_000)]
+    assert storage.receive(path, iter(pieces), crc32c.crc32c(data))
+    mark(log, received=path)
+    assert not storage.receive(path, iter([b"another"]), crc32c.crc32c(b"another"))
+    with pytest.raises(StorageError, match="crc32c"):
+        storage.receive(path + ".x", iter([b"torn"]), 0)
+    records = read_log(log).records
+    assert [r["result"] for r in records if r.get("call") == "receive"] == [True, False]
+    done = next(i for i, r in enumerate(records) if r.get("received"))
+    seen = {"absent": 0, "whole": 0}
+    for model in ("ordered", "posix", "objects"):
+        if model == "objects":
+            trees = list(object_states(records))
+        else:
+            fs = FsModel(records, model)
+            trees = [
+                (p, fs.tree(st)) for p in range(len(records) + 1) for st in fs.states(p, None, "")
+            ]
+        for point, tree in trees:
+            got = tree.get(path)
+            assert got in (None, data), f"{model}, crash point {point}: {path} is torn"
+            assert point <= done or got == data, f"{model}, crash point {point}: {path} lost"
+            seen["absent" if got is None else "whole"] += 1
+    final = FsModel(records, "posix").tree(CrashState(len(records), ()))
+    assert sorted(final) == ["step_000000000001", path]
+    assert seen["absent"] >= 10
+    assert seen["whole"] >= 10
 
 
 FLOORS = {  # crash states checked at least, (sampled, full); see docs/crash-points.md
