@@ -31,6 +31,8 @@ class LocalTier:
     so there are at most ``keep + 1`` right after one). ``replicas``: the ranks on *other*
     hosts that also hold a copy of each rank's shard (0: none, for one process or one host).
     The ranks of one host share the directory; an existing empty directory is a new tier.
+    ``path`` may be a URL whose registered storage is a local directory (a
+    :class:`~aiockpt.storage.LocalStorage`); the daemon refuses any other as it opens.
     """
 
     path: str
@@ -41,11 +43,9 @@ class LocalTier:
         text = os.fspath(path)
         if not isinstance(text, str) or not text:
             raise ValueError(f"a local tier's path must be a non-empty path, not {path!r}")
-        if "://" in text:
-            raise ValueError(f"a local tier is a local directory, not a URL: {text!r}")
         _count("keep", keep, 1)
         _count("replicas", replicas, 0)
-        object.__setattr__(self, "path", os.path.abspath(text))
+        object.__setattr__(self, "path", _where(text))
         object.__setattr__(self, "keep", keep)
         object.__setattr__(self, "replicas", replicas)
 
@@ -55,6 +55,25 @@ class LocalTier:
 
 def _make(path: str, keep: int, replicas: int) -> LocalTier:
     return LocalTier(path, keep=keep, replicas=replicas)
+
+
+def _where(text: str) -> str:
+    """A path made absolute; a URL kept as it is where a storage registered with aiockpt
+    serves its protocol (the daemon checks, as it opens the tier, that this storage is a
+    local directory); any other URL refused."""
+    protocol, sep, rest = text.partition("://")
+    if not sep:
+        return os.path.abspath(text)
+    if protocol in ("file", "local"):
+        return os.path.abspath(rest)
+    from .storage import registered_protocols
+
+    if protocol not in registered_protocols():
+        raise ValueError(
+            f"a local tier is a local directory, not a URL: {text!r} (a URL is taken only "
+            "where a storage registered with aiockpt serves it from a local directory)"
+        )
+    return text
 
 
 def _count(name: str, value: object, least: int) -> None:

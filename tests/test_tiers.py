@@ -48,7 +48,8 @@ def test_local_tier_checks_its_options(tmp_path):
         with pytest.raises(ValueError, match="LocalTier's"):
             LocalTier(tmp_path, **bad)
     with pytest.raises(ValueError, match="not a URL"):
-        LocalTier("s3://bucket/x")
+        LocalTier("nosuchstore://bucket/x")  # no storage registered with aiockpt serves it
+    assert LocalTier(f"file://{tmp_path}/t") == LocalTier(tmp_path / "t")
     with pytest.raises(TypeError):
         LocalTier(tmp_path, 2)  # type: ignore[misc]  # keywords only
     with pytest.raises(ValueError, match="needs a local tier"):
@@ -147,6 +148,31 @@ async def test_wiped_tier_resumes_from_the_root(tmp_path):
         assert same(await mgr.load(), state(5))
         await (await mgr.save(6, state(6)))  # saving goes on from there
         assert await mgr.steps() == [5, 6]
+
+
+async def test_a_tier_url_must_be_served_from_a_local_directory(tmp_path, monkeypatch):
+    from _support.storages import open_in_memory, open_unordered
+
+    from aiockpt.storage import register_storage
+    from aiockpt.storage._registry import ENV_VAR
+
+    monkeypatch.setenv(ENV_VAR, "")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))
+    )
+    register_storage("inmemory", open_in_memory)
+    register_storage("unordered", open_unordered)  # a LocalStorage of its own
+    mgr = AsyncCheckpointManager(tmp_path / "root", local=LocalTier("inmemory://tier"))
+    with pytest.raises(CheckpointError, match="FsspecStorage, not by a local directory"):
+        await mgr.open()
+    await mgr.aclose()
+    tier = LocalTier(f"unordered://{tmp_path}/tier", keep=1)
+    async with AsyncCheckpointManager(tmp_path / "root", local=tier, persist_every=2) as mgr:
+        for step in (1, 2, 3):
+            await (await mgr.save(step, state(step)))
+    assert committed(tmp_path / "tier") == [3]
+    assert committed(tmp_path / "root") == [2]
 
 
 async def test_an_unwritable_tier_fails_open_clearly(tmp_path):

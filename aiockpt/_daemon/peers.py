@@ -26,7 +26,7 @@ import socket
 import socketserver
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import crc32c
@@ -103,41 +103,24 @@ def recv_msg(f: BinaryIO) -> dict[str, Any]:
 
 
 def receive_file(f: BinaryIO, storage: LocalStorage, path: str, size: int, crc: int) -> bool:
-    """Stream ``size`` bytes from ``f`` into ``path`` of ``storage``: a temporary file,
-    synced, checked against ``crc``, then linked into place (never over a file that is
-    there: False then). A crc mismatch is a :class:`StorageError`, nothing left behind."""
+    """Stream ``size`` bytes from ``f`` into ``path`` of ``storage``
+    (:meth:`LocalStorage.receive`: a temporary file, synced, checked against ``crc``, then
+    linked into place, never over a file that is there: False then). A crc mismatch is a
+    :class:`StorageError`, nothing left behind."""
     if size < 0:
         raise StorageError(f"{path}: a size of {size} bytes")
-    full = storage._checked("create", path)
-    tmp = f"{full}.{os.getpid()}.{threading.get_ident()}.peer"
-    try:
-        got = 0
-        with open(tmp, "xb") as out:
-            left = size
-            while left:
-                piece = f.read(min(CHUNK, left))
-                if not piece:
-                    raise ConnectionError("the peer closed the connection mid-file")
-                got = crc32c.crc32c(piece, got)
-                out.write(piece)
-                left -= len(piece)
-            out.flush()
-            os.fsync(out.fileno())
-        if got != crc:
-            raise StorageError(f"{path}: crc32c {got:#010x} where {crc:#010x} was sent")
-        try:
-            os.link(tmp, full)
-        except FileExistsError:
-            return False
-        dirfd = os.open(os.path.dirname(full), os.O_RDONLY)
-        try:
-            os.fsync(dirfd)
-        finally:
-            os.close(dirfd)
-        return True
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+    return storage.receive(path, _pieces(f, size), crc)
+
+
+def _pieces(f: BinaryIO, size: int) -> Iterator[bytes]:
+    """``size`` bytes of ``f``, ``CHUNK`` at most at a time."""
+    left = size
+    while left:
+        piece = f.read(min(CHUNK, left))
+        if not piece:
+            raise ConnectionError("the peer closed the connection mid-file")
+        yield piece
+        left -= len(piece)
 
 
 def send_file(sock: socket.socket, storage: LocalStorage, path: str, start: int, end: int) -> None:

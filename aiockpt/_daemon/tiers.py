@@ -32,7 +32,7 @@ from .._core.protocol import DeleteReq, EventMsg, Hello, SaveDone, SaveReq, Slab
 from .._core.storeops import StoreOps
 from ..errors import CheckpointError, CheckpointNotFoundError, InvalidStepError, StorageError
 from ..retention import LatestN
-from ..storage import Storage
+from ..storage import Storage, open_storage
 from ..storage._local import LocalStorage
 from ..tiers import leads_host as first_of_host
 from .coord import Coordinator, Part, publish_manifest
@@ -63,18 +63,39 @@ def open_local(path: str) -> LocalStorage:
     """The local tier's storage at ``path``, made if missing and checked writable now, so a
     tier that cannot be written fails the manager's ``open()`` with a clear error rather
     than every save later. The ranks of a host share the directory: the probe is per
-    process."""
+    process. ``path`` may be a URL whose registered storage is a local directory (a
+    :class:`LocalStorage`, or a subclass of it); any other is a :class:`StorageError`."""
     probe = f".probe-{os.getpid()}"
     try:
-        os.makedirs(path, exist_ok=True)
-        storage = LocalStorage(path)
+        storage = _local_storage(path)
+    except (OSError, StorageError) as e:
+        raise StorageError(f"the local tier {path} cannot be opened: {e}") from None
+    try:
+        os.makedirs(storage.root, exist_ok=True)
         storage.put_atomic(probe, b"")
         storage.delete(probe)
     except (OSError, StorageError) as e:
+        storage.close()
         raise StorageError(
             f"the local tier {path} cannot be written: {e}; give LocalTier a directory on a "
             "local disk this process may write, or leave local= out"
         ) from None
+    return storage
+
+
+def _local_storage(path: str) -> LocalStorage:
+    """The storage of the tier at ``path``: a directory, or a URL served by a registered
+    storage that is a :class:`LocalStorage` (never an object store: a tier is on local disk,
+    and its peer replicas are linked into place there)."""
+    if "://" not in path:
+        return LocalStorage(path)
+    storage = open_storage(path)
+    if not isinstance(storage, LocalStorage):
+        storage.close()
+        raise StorageError(
+            f"{path} is served by {type(storage).__qualname__}, not by a local directory: a "
+            "local tier is a directory on each host's own disk"
+        )
     return storage
 
 

@@ -25,7 +25,9 @@ import os
 import shutil
 import stat
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+
+import crc32c
 
 from ..errors import StorageError
 from ._local_paths import _O_CLOEXEC, _UnderRoot
@@ -218,6 +220,37 @@ class LocalStorage(_UnderRoot):
             finally:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
+
+    def receive(self, path: str, pieces: Iterable[bytes], crc: int) -> bool:
+        """Create ``path`` from ``pieces``, a stream (a peer replica arriving, see
+        ``_daemon/peers.py``), unless something is there: False then. As :meth:`put_if_absent`
+        does, but a piece at a time: written and synced under a temporary name of this
+        thread's, its crc32c checked against ``crc`` (a mismatch is a :class:`StorageError`
+        and leaves nothing behind), then linked into place, which never replaces a name, and
+        its directory synced. What reading ``pieces`` raises goes up as it is."""
+        full = self._checked("create", path)
+        tmp = f"{full}.{os.getpid()}.{threading.get_ident()}.peer"
+        try:
+            got = 0
+            with open(tmp, "xb") as out:
+                for piece in pieces:
+                    got = crc32c.crc32c(piece, got)
+                    out.write(piece)
+                out.flush()
+                os.fsync(out.fileno())
+            if got != crc:
+                raise StorageError(
+                    f"{path}: crc32c {got:#010x} where {crc:#010x} was sent", path=full
+                )
+            try:
+                os.link(tmp, full)
+            except FileExistsError:
+                return False
+            _fsync_dir(os.path.dirname(full))
+            return True
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
     def makedirs(self, path: str) -> None:
         full = self._full(path)

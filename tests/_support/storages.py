@@ -137,3 +137,10 @@ class VanishingStorage(LocalStorage):
 
 def open_vanishing(url: str, storage_options: dict[str, Any]) -> VanishingStorage:
     return VanishingStorage(url.partition("://")[2], storage_options["vanish"])
+
+
+def open_in_memory(url: str, storage_options: dict[str, Any]) -> Any:
+    """fsspec's in-memory file system: a storage that is not a local directory."""
+    from aiockpt.storage import FsspecStorage
+
+    return FsspecStorage("memory://" + url.partition("://")[2], storage_options)

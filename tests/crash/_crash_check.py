@@ -11,7 +11,8 @@ Two levels, both through aiockpt's own code:
   ``*.tmp``): it opens the root (``takeover=True``: the lease there is the dead writer's,
   unexpired), its ``steps()`` load bit-exact against what was saved, the partials below the
   newest commit are gone after the open, and once a newer step commits the next open removes
-  every partial.
+  every partial. A crash state of a local tier is opened as a tier, with its root as the
+  crash found it (:class:`TierOpen`).
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ import io
 import os
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from aiockpt import AsyncCheckpointManager
+from aiockpt import AsyncCheckpointManager, LocalTier
 from aiockpt._core.catalog import Catalog
 from aiockpt._core.lease import read_current
 from aiockpt.cli.common import scan
@@ -102,7 +104,7 @@ def verify(root: str) -> dict[int, list[str]]:
 def written_files(records: list[dict[str, Any]]) -> dict[str, bytes]:
     """What the recorded run wrote into step directories, by path: the reference."""
     out = {}
-    writes = ("write_file", "put_atomic", "put_if_absent")
+    writes = ("write_file", "put_atomic", "put_if_absent", "receive")
     for r in records:
         if (
             r["op"] == "api"
@@ -182,17 +184,44 @@ def collectable(root: str) -> dict[int, bool]:
     return dirs
 
 
+@dataclass(frozen=True)
+class TierOpen:
+    """A crash state of a local tier, opened with its root: the root as the crash found it
+    (another machine's storage: a copy of it) and the run's ``persist_every`` and ``keep``."""
+
+    root: str
+    every: int
+    keep: int
+
+
+def _manager(where: str, tier: TierOpen | None, lease_ttl: float, takeover: bool) -> Any:
+    if tier is None:
+        return AsyncCheckpointManager(where, takeover=takeover, lease_ttl=lease_ttl)
+    return AsyncCheckpointManager(
+        tier.root,
+        local=LocalTier(where, keep=tier.keep),
+        persist_every=tier.every,
+        takeover=takeover,
+        lease_ttl=lease_ttl,
+    )
+
+
 async def open_and_check(
-    root: str, expected: Callable[[int], Any], lease_ttl: float
+    root: str, expected: Callable[[int], Any], lease_ttl: float, tier: TierOpen | None = None
 ) -> tuple[set[int], list[str]]:
-    """What a fresh manager lists in ``root``, and what is wrong (see the module doc)."""
+    """What a fresh manager lists in ``root``, and what is wrong (see the module doc). With
+    ``tier``, ``root`` is a local tier's directory, opened with ``tier.root`` as the root: a
+    step may be listed from either, and the partials checked are the tier's."""
     problems: list[str] = []
     before = partials(root)
+    held = {s for s, c in before.items() if c}
+    if tier is not None:
+        held |= {s for s, c in partials(tier.root).items() if c}
     try:
-        async with AsyncCheckpointManager(root, takeover=True, lease_ttl=lease_ttl) as mgr:
+        async with _manager(root, tier, lease_ttl, True) as mgr:
             listed = set(await mgr.steps())
             for step in sorted(listed):
-                if not before.get(step, False):
+                if step not in held:
                     problems.append(f"step {step} is listed without a manifest")
                 try:
                     loaded = await mgr.load(step)
@@ -201,17 +230,17 @@ async def open_and_check(
                     continue
                 if not same(loaded, expected(step)):
                     problems.append(f"step {step} loads, but not what was saved")
-            newest = max(listed, default=-1)
             after = collectable(root)
+            newest = max((s for s, c in after.items() if c), default=-1)
             stale = [s for s, c in after.items() if not c and s < newest]
             if stale:
                 problems.append(f"partials {stale} below the newest commit survived the open")
             kept = [s for s, c in after.items() if not c]
             if kept:  # may be saves in flight: collectable once a newer step commits
-                newer = max(after) + 1
+                newer = max([*after, *listed]) + 1
                 await (await mgr.save(newer, expected(newer)))
         if kept:
-            async with AsyncCheckpointManager(root, lease_ttl=lease_ttl):
+            async with _manager(root, tier, lease_ttl, False):
                 pass
             left = [s for s, c in collectable(root).items() if not c]
             if left:

@@ -17,7 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _crash_check import Scratch, coarse, inspect, materialize, open_and_check, written_files
+from _crash_check import (
+    Scratch,
+    TierOpen,
+    coarse,
+    inspect,
+    materialize,
+    open_and_check,
+    written_files,
+)
 from _crash_model import (
     ABSENT,
     DATA_KINDS,
@@ -71,6 +79,25 @@ def required(records: list[dict[str, Any]], point: int) -> set[int]:
         ):
             deleting.add(int(m.group(1)))
     return done - deleting
+
+
+def persisted(records: list[dict[str, Any]], point: int, every: int) -> set[int]:
+    """A local tier's run: the steps the root must hold after a crash at ``point``, those of
+    the promised ones due there (the root of the recorded run keeps every step)."""
+    done = {r["durable"] for r in records[:point] if r["op"] == "mark" and "durable" in r}
+    return {s for s in done if s % every == 0}
+
+
+def tier_open(meta: dict[str, Any], records: list[dict[str, Any]], point: int, to: str) -> TierOpen:
+    """How a fresh manager opens a crash state of a local tier's run at ``point``: with a
+    copy, at ``to``, of the root as the last promise before the point left it (an empty
+    root before the first)."""
+    done = [r["durable"] for r in records[:point] if r["op"] == "mark" and "durable" in r]
+    if done:
+        shutil.copytree(os.path.join(meta["snapshots"], str(done[-1])), to)
+    else:
+        os.makedirs(to)
+    return TierOpen(to, meta["every"], meta["keep"])
 
 
 def _path(record: dict[str, Any]) -> str:
@@ -246,9 +273,16 @@ async def check(rec: Recording, model: str, tmp: Path, budget: Budget) -> Report
     for n, (tree, point, what, records) in enumerate(spread(list(classes.values()), budget.opens)):
         where = materialize(tree, str(tmp / f"b{n}"))
         expected = EXPECTED[rec.meta.get("state", "plain")]
-        listed, problems = await open_and_check(where, expected, LEASE_TTL)
+        promised = required(records, point)
+        tier = None
+        if "tier" in rec.meta:
+            tier = tier_open(rec.meta["tier"], records, point, str(tmp / f"r{n}"))
+            promised |= persisted(records, point, tier.every)
+        listed, problems = await open_and_check(where, expected, LEASE_TTL, tier)
         shutil.rmtree(where)
-        missing = required(records, point) - listed
+        if tier is not None:
+            shutil.rmtree(tier.root)
+        missing = promised - listed
         if missing:
             problems.append(f"steps {sorted(missing)} were promised durable but are not listed")
         report.opened += 1

@@ -11,7 +11,7 @@ A crash at point ``k`` of a log means its first ``k`` records happened. What sur
   directory, commits the journal, so every directory operation before it is durable; the
   directory operations not yet durable survive as a prefix, in order. File data as above.
 - ``objects`` (:func:`object_states`): the Storage calls, each atomic (write_file,
-  put_atomic, put_if_absent), a recursive delete removing its objects one at a time, no
+  put_atomic, put_if_absent, receive), a recursive delete removing its objects one at a time, no
   directories; a crash leaves a prefix of the calls.
 
 Files are modelled as inodes and directory entries as (parent directory, name) -> inode, so
@@ -261,7 +261,9 @@ def object_states(
         if r["op"] != "api":
             continue
         call = r["call"]
-        if call in ("write_file", "put_atomic") or (call == "put_if_absent" and r["result"]):
+        if call in ("write_file", "put_atomic") or (
+            call in ("put_if_absent", "receive") and r["result"]
+        ):
             ops.append((pos, r["path"], r["data"]))
         elif call == "delete":
             ops.extend((pos, obj, None) for obj in r["objects"])

@@ -6,14 +6,15 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 import torch
-from aiockpt_crash_recorder import RecordingStorage, mark
+from aiockpt_crash_recorder import ENV, RecordingStorage, mark
 
-from aiockpt import AsyncCheckpointManager, LatestN
+from aiockpt import AsyncCheckpointManager, LatestN, LocalTier
 from aiockpt.errors import LeaseLostError
 
 #: Long enough that no renewal lands in a recorded run, whatever the machine's load: every
@@ -183,4 +184,53 @@ async def record_two_writers(root: str, log: str) -> Recording:
     assert isinstance(outcome["a"], LeaseLostError), f"writer A's save: {outcome['a']!r}"
     rec = read_log(log)
     rec.meta["fenced"] = "a"
+    return rec
+
+
+#: The local-tier run: its persist_every and its tier's keep.
+TIER_EVERY, TIER_KEEP = 2, 2
+
+
+async def record_tier(root: str, tier: str, log: str) -> Recording:
+    """One rank with a recorded local tier, ``LocalTier("crashrec://TIER", keep=2)`` (the
+    daemon opens it with no storage options: the log is named by ``$AIOCKPT_CRASH_LOG``,
+    which it inherits), and a plain root, ``persist_every=2``: saves 1 and 2; a save of 3 cut
+    short in the tier (a partial there); saves 4 and 5, whose retention passes in the tier
+    delete step 1 (the tier's alone) and step 2 (the root holds it too). Then a new manager
+    opens both and collects the partial. The root is not recorded: it stands for another
+    machine's storage, which a crash of this host leaves as it was. After each ``await
+    handle`` a copy of the root is kept, ``meta["tier"]["snapshots"]/STEP``: the root a
+    crash after that point and before the next one finds."""
+    os.makedirs(root)
+    os.makedirs(tier)
+    snapshots = os.path.join(os.path.dirname(root), "snapshots")
+    url = f"crashrec://{tier}"
+    local = LocalTier(url, keep=TIER_KEEP)
+    before = os.environ.get(ENV)
+    os.environ[ENV] = log
+    try:
+        async with AsyncCheckpointManager(
+            root, local=local, persist_every=TIER_EVERY, lease_ttl=LEASE_TTL
+        ) as mgr:
+            for step in (1, 2, 4, 5):
+                if step == 4:
+                    step2 = os.path.join(tier, "step_000000000002")
+                    (name,) = (n for n in os.listdir(step2) if n.startswith("shard_r00000."))
+                    with open(os.path.join(step2, name), "rb") as f:
+                        shard = f.read()
+                    crashed_save(url, log, 3, shard[: len(shard) // 2])
+                await (await mgr.save(step, state_for(step)))
+                mark(log, durable=step)
+                shutil.copytree(root, os.path.join(snapshots, str(step)))
+        async with AsyncCheckpointManager(
+            root, local=local, persist_every=TIER_EVERY, lease_ttl=LEASE_TTL
+        ):
+            mark(log, opened=True)
+    finally:
+        if before is None:
+            del os.environ[ENV]
+        else:
+            os.environ[ENV] = before
+    rec = read_log(log)
+    rec.meta["tier"] = {"snapshots": snapshots, "every": TIER_EVERY, "keep": TIER_KEEP}
     return rec

@@ -16,17 +16,22 @@ The default run checks a seeded sample; ``AIOCKPT_CRASH_ALL=1`` checks every sta
 from __future__ import annotations
 
 import anyio
+import crc32c
 import pytest
 from _crash_checker import FULL, Budget, check
+from _crash_model import CrashState, FsModel, object_states
 from _crash_record import (
     CONTESTED,
     read_log,
     record_incremental,
     record_single,
+    record_tier,
     record_two_writers,
 )
 from _support.ranks import run_ranks
+from aiockpt_crash_recorder import RecordingStorage, mark
 
+from aiockpt.errors import StorageError
 from aiockpt.storage import registered_protocols
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(7200 if FULL else 900)]
@@ -52,6 +57,13 @@ def incremental(tmp_path_factory):
     """The recorded single-rank run of incremental checkpoints."""
     tmp = tmp_path_factory.mktemp("incremental")
     return anyio.run(record_incremental, str(tmp / "run"), str(tmp / "log"))
+
+
+@pytest.fixture(scope="module")
+def tier(tmp_path_factory):
+    """The recorded single-rank run with a recorded local tier and a plain root."""
+    tmp = tmp_path_factory.mktemp("tier")
+    return anyio.run(record_tier, str(tmp / "root"), str(tmp / "tier"), str(tmp / "log"))
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +137,63 @@ def test_the_fenced_writer_resumes_after_the_new_holder_committed(two_writers):
     assert all(r.get("path") in (fenced_file, step_dir.rstrip("/")) for r in late[1:])
 
 
+def test_the_tier_run_commits_prunes_and_collects_in_the_tier(tier):
+    """Recorded before the async checks (its fixture runs its own event loop): every step
+    committed in the tier, its retention deleted steps 1 and 2 there (2 is in the root too),
+    and the new manager's open removed the partial step 3."""
+    records = tier.records
+    commits = [r["path"] for r in records if r.get("call") == "put_if_absent"]
+    for step in (1, 2, 4, 5):
+        assert f"step_{step:012d}/manifest.json" in commits
+    deletes = [r["path"] for r in records if r.get("call") == "delete"]
+    for step in (1, 2):
+        assert f"step_{step:012d}/manifest.json" in deletes
+    last = max(i for i, r in enumerate(records) if "durable" in r)
+    assert any(r.get("path") == "step_000000000003" for r in records[last:])
+    assert [r["durable"] for r in records if "durable" in r] == [1, 2, 4, 5]
+
+
+def test_a_peer_replica_is_whole_under_its_name_in_every_crash_state(tmp_path):
+    """A peer replica's arrival (``LocalStorage.receive``, into which the daemon's
+    ``receive_file`` streams what a partner sends, and a replacement host's fetch): in every
+    crash state of every model, the file's name holds nothing or all of its bytes, and all of
+    them once ``receive`` has returned; a second copy never replaces it, a copy that fails
+    its crc32c leaves nothing, and no temporary file survives a finished call."""
+    (tmp_path / "tier").mkdir()
+    log = str(tmp_path / "log")
+    storage = RecordingStorage(str(tmp_path / "tier"), log=log)
+    storage.makedirs("step_000000000001")
+    path = "step_000000000001/shard_r00000.0123456789abcdef.safetensors"
+    data = bytes(range(256)) * 1000
+    pieces = [data[i : i + 100_000] for i in range(0, len(data), 100_000)]
+    assert storage.receive(path, iter(pieces), crc32c.crc32c(data))
+    mark(log, received=path)
+    assert not storage.receive(path, iter([b"another"]), crc32c.crc32c(b"another"))
+    with pytest.raises(StorageError, match="crc32c"):
+        storage.receive(path + ".x", iter([b"torn"]), 0)
+    records = read_log(log).records
+    assert [r["result"] for r in records if r.get("call") == "receive"] == [True, False]
+    done = next(i for i, r in enumerate(records) if r.get("received"))
+    seen = {"absent": 0, "whole": 0}
+    for model in ("ordered", "posix", "objects"):
+        if model == "objects":
+            trees = list(object_states(records))
+        else:
+            fs = FsModel(records, model)
+            trees = [
+                (p, fs.tree(st)) for p in range(len(records) + 1) for st in fs.states(p, None, "")
+            ]
+        for point, tree in trees:
+            got = tree.get(path)
+            assert got in (None, data), f"{model}, crash point {point}: {path} is torn"
+            assert point <= done or got == data, f"{model}, crash point {point}: {path} lost"
+            seen["absent" if got is None else "whole"] += 1
+    final = FsModel(records, "posix").tree(CrashState(len(records), ()))
+    assert sorted(final) == ["step_000000000001", path]
+    assert seen["absent"] >= 10
+    assert seen["whole"] >= 10
+
+
 FLOORS = {  # crash states checked at least, (sampled, full); see docs/crash-points.md
     ("single", "ordered"): (150, 230),
     ("single", "posix"): (250, 2000),
@@ -138,11 +207,14 @@ FLOORS = {  # crash states checked at least, (sampled, full); see docs/crash-poi
     ("writers", "ordered"): (400, 40000),
     ("writers", "posix"): (400, 400000),
     ("writers", "objects"): (80, 80),
+    ("tier", "ordered"): (150, 230),
+    ("tier", "posix"): (250, 1400),
+    ("tier", "objects"): (18, 18),
 }
 
 
 @pytest.mark.parametrize("model", ["ordered", "posix", "objects"])
-@pytest.mark.parametrize("scenario", ["single", "ranks", "incremental", "writers"])
+@pytest.mark.parametrize("scenario", ["single", "ranks", "incremental", "writers", "tier"])
 async def test_every_crash_state_keeps_the_promises(scenario, model, request, tmp_path):
     fixture = {"ranks": "two_ranks", "writers": "two_writers"}.get(scenario, scenario)
     rec = request.getfixturevalue(fixture)

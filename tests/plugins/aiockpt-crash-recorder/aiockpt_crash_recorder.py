@@ -24,9 +24,10 @@ Records are JSON lines, ``op`` being one of:
   ``rename`` (``os.replace``), ``link``, ``unlink``, ``mkdir``, ``rmdir``: what LocalStorage
   did to the file system, paths relative to the root, with inode numbers (``ino``, and
   ``parent``, the inode of the directory holding the entry);
-- ``api``: a Storage call (``write_file``, ``put_atomic``, ``put_if_absent``, ``makedirs``,
-  ``delete``) that returned, with the bytes it wrote or the files it deleted, after the
-  records of the operations it made;
+- ``api``: a Storage call (``write_file``, ``put_atomic``, ``put_if_absent``, ``receive``,
+  ``makedirs``, ``delete``) that returned, with the bytes it wrote or the files it deleted,
+  after the records of the operations it made (``receive``, a peer replica arriving, holds
+  the log's lock while it reads its stream);
 - ``hello``: a storage opened, with the root's inode; ``mark``: a line of the caller's (see
   :func:`mark`); ``pause`` and ``resume``: a gated write stopped and went on.
 """
@@ -44,7 +45,7 @@ import stat
 import threading
 import time
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 from aiockpt.storage import LocalStorage, _local
@@ -52,7 +53,15 @@ from aiockpt.storage import LocalStorage, _local
 ENV = "AIOCKPT_CRASH_LOG"
 PROTOCOL = "crashrec"
 #: LocalStorage's methods that run with the recording os, shutil and open.
-_REBOUND = ("write_file", "_write_buffer", "put_atomic", "put_if_absent", "makedirs", "delete")
+_REBOUND = (
+    "write_file",
+    "_write_buffer",
+    "put_atomic",
+    "put_if_absent",
+    "receive",
+    "makedirs",
+    "delete",
+)
 _HELPERS = ("_fsync_dir", "_write_all")
 
 
@@ -388,6 +397,20 @@ class RecordingStorage(LocalStorage):
 
     def put_if_absent(self, path: str, data: bytes) -> bool:
         return bool(self._api("put_if_absent", path, data, data=_b64(bytes(data))))
+
+    def receive(self, path: str, pieces: Iterable[bytes], crc: int) -> bool:
+        got: list[bytes] = []
+
+        def kept() -> Iterator[bytes]:
+            for piece in pieces:
+                got.append(bytes(piece))
+                yield piece
+
+        with self.log.held():
+            result = self._impl["receive"](path, kept(), crc)
+            data = _b64(b"".join(got))
+            self._rec.op("api", call="receive", path=path, data=data, result=result)
+            return bool(result)
 
     def makedirs(self, path: str) -> None:
         self._api("makedirs", path)
