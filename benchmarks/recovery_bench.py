@@ -17,7 +17,10 @@ slowest rank's, from a barrier:
   allocated, no manager (the floor for the own tier).
 
 And the saves' stall (``await mgr.save()``, the slowest rank's, median of the saves after
-the first) with the tier and without it (the root alone). Medians of ``--repeats``.
+the first) with the tier and without it (the root alone), and the bytes those saves wrote to
+the root each way (the objects left under each prefix: every write is a new object). With
+``persist_every=1`` both ways write every step to the root, so the tier must add nothing
+there; ``persist_every=k`` writes a k-th of the steps. Medians of ``--repeats``.
 
     python benchmarks/recovery_bench.py [--mib 256] [--repeats 3] [--saves 3]
 """
@@ -237,9 +240,15 @@ def main() -> None:
             per_save = [max(r["stalls"][i] for r in runs) for i in range(1, a.saves)]
             return statistics.median(per_save)
 
+        def written(prefix: str) -> int:
+            """The bytes the saves left in the root: every write there is a new object."""
+            pages = client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+            return sum(o["Size"] for page in pages for o in page.get("Contents", ()))
+
         root = f"s3://{BUCKET}/run"
         stall_plain = stall(run_job(work, "save", job(("x", "y"), f"s3://{BUCKET}/plain", False)))
         stall_tier = stall(run_job(work, "save", job(("a", "b"), root)))
+        traffic = {"tier": written("run/"), "plain": written("plain/")}
 
         times: dict[str, list[float]] = {"own": [], "peer": [], "s3": [], "raw": []}
         opens: dict[str, list[float]] = {k: [] for k in times}
@@ -287,11 +296,15 @@ def main() -> None:
         of_open = fmt(omed[k]) if k != "raw" else "—"
         print(f"| {label} | {fmt(med[k])} | {of_open} | {runs} |")
     print()
-    print("| peer ÷ S3 | own tier ÷ raw read | save stall: tier | save stall: root alone |")
-    print("|---:|---:|---:|---:|")
+    print(
+        "| peer ÷ S3 | own tier ÷ raw read | save stall: tier | save stall: root alone "
+        "| root bytes written: tier ÷ root alone |"
+    )
+    print("|---:|---:|---:|---:|---:|")
     print(
         f"| {med['peer'] / med['s3']:.2f} | {med['own'] / med['raw']:.2f} "
-        f"| {fmt(stall_tier)} | {fmt(stall_plain)} |"
+        f"| {fmt(stall_tier)} | {fmt(stall_plain)} "
+        f"| {traffic['tier'] / traffic['plain']:.3f} ({traffic['tier'] / MiB:.0f} MiB) |"
     )
 
 
