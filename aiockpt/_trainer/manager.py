@@ -301,7 +301,8 @@ class AsyncCheckpointManager(SafetensorsLoading):
 
     async def delete(self, step: int, *, allow_latest: bool = False) -> None:
         """Delete the committed ``step`` once the saves before it are done, keeping bytes a
-        kept step reads; the newest only with ``allow_latest``."""
+        kept step reads; the newest only with ``allow_latest``. With a local tier, from every
+        host's tier and the root, wherever it lies."""
         self._check_writable("delete")
         await self._saver.delete(self._group, step, allow_latest)
 
