@@ -29,7 +29,7 @@ def manager(rank: int, root: str, args: dict, events: list | None = None) -> Any
     tier = LocalTier(args["local"][host], keep=keep, replicas=replicas)
     return AsyncCheckpointManager(
         root,
-        dist_timeout=60,
+        dist_timeout=args.get("dist_timeout", 60),
         retention=LatestN(args.get("root_keep", 3)),
         local=tier,
         persist_every=args.get("persist_every", 5),
@@ -77,7 +77,34 @@ async def delete(rank: int, world: int, root: str, args: dict) -> dict:
     return {"steps": steps}
 
 
-SCENARIOS = {"save": save, "resume": resume, "delete": delete}
+async def try_delete(rank: int, world: int, root: str, args: dict) -> dict:
+    """delete(), its error's class and words on this rank, or None; then the steps."""
+    async with manager(rank, root, args) as mgr:
+        error = None
+        try:
+            await mgr.delete(args["delete"], allow_latest=args.get("allow_latest", False))
+        except Exception as e:
+            error = [type(e).__name__, str(e)]
+        steps = await mgr.steps()
+    return {"error": error, "steps": steps}
+
+
+async def opens(rank: int, world: int, root: str, args: dict) -> dict:
+    """Open, or the error's class and words."""
+    try:
+        async with manager(rank, root, args) as mgr:
+            return {"error": None, "steps": await mgr.steps()}
+    except Exception as e:
+        return {"error": [type(e).__name__, str(e)]}
+
+
+SCENARIOS = {
+    "save": save,
+    "resume": resume,
+    "delete": delete,
+    "try_delete": try_delete,
+    "opens": opens,
+}
 
 if __name__ == "__main__":
     serve_rank(SCENARIOS)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -340,6 +341,47 @@ def test_delete_on_several_hosts_removes_the_step_from_every_tier(tmp_path):
         assert committed(tmp_path / f"local-{host}") == [7], host
     resumed = run_tiers("resume", 4, tmp_path, root, args)
     assert [(r["step"], r["exact"]) for r in resumed] == [(7, True)] * 4
+
+
+def test_delete_on_several_hosts_is_checked_against_what_a_resume_loads(tmp_path):
+    root = str(tmp_path / "root")
+    args = two_hosts(tmp_path)
+    run_tiers("save", 4, tmp_path, root, args)
+    # A delete(6) that removed step 6 from the root side and host a's tier, then failed on
+    # host b: asked again, it removes what is left, rather than find nothing on rank 0.
+    os.system(f"rm -rf {tmp_path / 'local-a' / step_dirname(6)}")
+    again = run_tiers("try_delete", 4, tmp_path, root, {**args, "delete": 6})
+    assert [r["error"] for r in again] == [None] * 4
+    assert (committed(tmp_path / "local-a"), committed(tmp_path / "local-b")) == ([7], [7])
+    # Host b's tier lost: a resume loads the root's 5, the newest step every rank can load,
+    # so delete(5) needs allow_latest although host a's tier holds 7.
+    os.system(f"rm -rf {tmp_path / 'local-b'}")
+    refused = run_tiers("try_delete", 4, tmp_path, root, {**args, "delete": 5})
+    assert [r["error"][0] for r in refused] == ["InvalidStepError"] * 4
+    assert [r["steps"] for r in refused] == [[5]] * 4
+    gone = run_tiers("try_delete", 4, tmp_path, root, {**args, "delete": 4})
+    assert [r["error"][0] for r in gone] == ["CheckpointNotFoundError"] * 4
+
+
+def test_a_tier_that_cannot_be_cleaned_fails_open_on_every_rank(tmp_path):
+    """Host b's first rank cannot remove a partial step of its tier: every rank's open()
+    fails at once, saying so, instead of waiting out the others at a barrier."""
+    root = str(tmp_path / "root")
+    args = two_hosts(tmp_path)
+    run_tiers("save", 4, tmp_path, root, {**args, "last": 3})
+    partial = tmp_path / "local-b" / step_dirname(1)
+    partial.mkdir()
+    stuck = partial / "shard_r00002.0123456789abcdef.safetensors"
+    stuck.write_bytes(b"cut short")
+    subprocess.run(["chattr", "+i", str(stuck)], check=True)  # unlink(2) fails, even as root
+    try:
+        opened = run_tiers("opens", 4, tmp_path, root, {**args, "dist_timeout": 600})
+    finally:
+        subprocess.run(["chattr", "-i", str(stuck)], check=True)
+    kinds = [r["error"][0] for r in opened]
+    assert kinds == ["DaemonStartError"] * 2 + ["StorageError"] + ["DaemonStartError"], opened
+    for r in opened:
+        assert "Operation not permitted" in r["error"][1]
 
 
 def test_every_hosts_tier_loses_its_partial_steps_at_open(tmp_path):

@@ -202,11 +202,11 @@ class Daemon:
             self.tiers.collect_partials(self.in_flight.snapshot)
         return tuple(removed)
 
-    def _delete(self, req: DeleteReq) -> None:
+    def _delete(self, req: DeleteReq) -> bool:
         if self.tiers is not None:
-            self.tiers.delete(req, self.pruner)
-        else:
-            self.pruner.delete(req.step, req.allow_latest)
+            return self.tiers.delete(req, self.pruner)
+        self.pruner.delete(req.step, req.allow_latest)
+        return True
 
     def _publish_failure(self, req: PublishFailureReq) -> None:
         # A respawned daemon tells the other ranks that its predecessor's save failed.

@@ -5,26 +5,24 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid as uuid_mod
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import anyio
 
-from .. import errors
 from .._core import format as fmt
 from .._core.protocol import DeleteReq, SaveReq, WindowReady
 from .._core.windows import cut_windows, least_capacity
 from ..errors import (
     CheckpointError,
     DaemonDiedError,
-    InvalidStepError,
     StagingMemoryError,
     StateChangedError,
 )
-from ..tiers import leads_host
 from . import dist as _dist
 from .checks import clean_metadata, clean_metrics
 from .client import DaemonClient
+from .deleting import deleted_by_rank_0, deleted_everywhere
 from .ledger import Emit, Ledger, SaveHandle, check_step_number
 from .mirror import DaemonMirror
 from .staging import Layout, LayoutCache, Slab, SlabPool, copy_window, sources_match, window_copies
@@ -119,22 +117,19 @@ class Saver:
         check_step_number(step)
         if not isinstance(allow_latest, bool):
             raise TypeError(f"allow_latest must be a bool, not {type(allow_latest).__name__}")
+        forget = self._ledger.committed.discard
         if group is None or group.world_size == 1:
             await self._delete(step, allow_latest)
+        elif self._daemons.hello.local is not None:
+            await deleted_everywhere(group, step, allow_latest, self._daemons, forget)
         else:
             await deleted_by_rank_0(group, step, allow_latest, self._delete)
-            hello = self._daemons.hello
-            if hello.local is not None:
-                await deleted_from_tiers(group, step, hello.hosts, self._delete_in_tier)
-        self._ledger.committed.discard(step)
+        forget(step)
 
-    async def _delete(self, step: int, allow_latest: bool, *, root: bool = True) -> None:
+    async def _delete(self, step: int, allow_latest: bool) -> None:
         d = await self._daemons.live()
         request: Any = d.request  # (DeleteReq is answered by the writer, after the saves)
-        await request(DeleteReq, step=step, allow_latest=allow_latest, root=root)
-
-    async def _delete_in_tier(self, step: int) -> None:
-        await self._delete(step, True, root=False)
+        await request(DeleteReq, step=step, allow_latest=allow_latest)
 
     async def _submit(
         self, group: _dist.Group | None, handle: SaveHandle, state: Any, *args: Any
@@ -320,69 +315,3 @@ class Saver:
                 f"block, or the header) is {need} bytes; give at least "
                 f"{2 * fmt.align_up(need) * self._pool.max_pending} bytes"
             ) from None
-
-
-async def deleted_by_rank_0(
-    group: _dist.Group,
-    step: int,
-    allow_latest: bool,
-    delete: Callable[[int, bool], Awaitable[None]],
-) -> None:
-    """A ``delete()`` on several ranks, each of which calls it: the ranks agree on what to
-    delete, rank 0's daemon deletes it (as it applies retention, once for everyone), and its
-    outcome is every rank's: its error raised on every rank, as the same class."""
-    asked = group.all_gather((step, allow_latest), f"the ranks' agreement on delete({step})")
-    if len(set(asked)) != 1:
-        raise InvalidStepError(
-            "every rank must delete the same step: "
-            + ", ".join(
-                f"rank {r}: delete({s}, allow_latest={a})" for r, (s, a) in enumerate(asked)
-            )
-        )
-    error: Exception | None = None
-    if group.rank == 0:
-        try:
-            await delete(step, allow_latest)
-        except Exception as e:  # told to the others before it is raised
-            error = e
-    said = None if error is None else (type(error).__name__, str(error))
-    told = group.all_gather(said, f"the outcome of delete({step})")[0]
-    if error is not None:
-        raise error
-    if told is not None:
-        raise _as_raised_on_rank_0(told[0], f"delete({step}) failed on rank 0: {told[1]}")
-
-
-async def deleted_from_tiers(
-    group: _dist.Group,
-    step: int,
-    hosts: tuple[str, ...],
-    delete: Callable[[int], Awaitable[None]],
-) -> None:
-    """After rank 0 deleted ``step`` from the root and its host's tier: the first rank of
-    every other host deletes it from its own, and any failure is every rank's."""
-    error: Exception | None = None
-    if group.rank != 0 and leads_host(hosts, group.rank):
-        try:
-            await delete(step)
-        except Exception as e:  # told to the others before it is raised
-            error = e
-    said = None if error is None else (group.rank, type(error).__name__, str(error))
-    told = [t for t in group.all_gather(said, f"the tiers' delete({step})") if t is not None]
-    if error is not None:
-        raise error
-    if told:
-        rank, kind, shown = told[0]
-        raise CheckpointError(
-            f"delete({step}) failed in rank {rank}'s local tier: {shown} ({kind})"
-        )
-
-
-def _as_raised_on_rank_0(kind: str, shown: str) -> CheckpointError:
-    """The error of aiockpt's class ``kind`` that rank 0 raised, for another rank to raise;
-    a plain CheckpointError for any other."""
-    cls = getattr(errors, kind, None)
-    if isinstance(cls, type) and issubclass(cls, CheckpointError):
-        with contextlib.suppress(TypeError):  # one whose constructor asks for more
-            return cls(shown)
-    return CheckpointError(f"{shown} ({kind})")

@@ -96,12 +96,30 @@ class Supervisor:
         self.lease = d.lease
         if group is not None:
             group.barrier()
+            await self._collect_together(group, hello)
+        self._ledger.committed = set(await (await self.live()).request(StepsReq))
+
+    async def _collect_together(self, group: Group, hello: Hello) -> None:
+        """Rank 0 removes the root's partial steps and its tier's, the first rank of every
+        other host its tier's; before any rank goes on, every rank learns whether that
+        failed anywhere, and raises then (rather than wait for the failed one at a barrier)."""
+        error: CheckpointError | None = None
+        try:
             if group.rank == 0 and hello.lease is not None:  # a writer, holding the root
                 await (await self.live()).request(CollectPartialsReq)
             elif hello.local is not None and leads_host(hello.hosts, group.rank):
                 await (await self.live()).request(CollectPartialsReq, root=False)  # its tier
-            group.barrier()
-        self._ledger.committed = set(await (await self.live()).request(StepsReq))
+        except CheckpointError as e:  # told to the others before it is raised
+            error = e
+        said = None if error is None else str(error)
+        told = group.all_gather(said, "the removal of partial steps")
+        if error is not None:
+            raise error
+        for rank, message in enumerate(told):
+            if message is not None:
+                raise DaemonStartError(
+                    f"rank {rank} could not remove the partial steps of an earlier run: {message}"
+                )
 
     async def _spawn_together(self, group: Group, hello: Hello) -> DaemonClient:
         """Start this rank's daemon; when any rank's could not start (rank 0's finding the

@@ -230,14 +230,16 @@ class PublishFailureReq(ReadReq):
 @dataclass(frozen=True, slots=True)
 class DeleteReq(ReadReq):
     """Delete the committed ``step`` as retention would, manifest first, keeping the bytes a
-    kept step reads (value: None). Queued behind the saves sent before it, on the writer's
-    thread; the newest committed step is refused unless ``allow_latest``. Where there is a
-    local tier the step goes from it and the root alike; ``root=False``: from the tier alone,
-    where it is there (another host's first rank, after rank 0 deleted it)."""
+    kept step reads (value: whether it was anywhere). Queued behind the saves sent before
+    it, on the writer's thread; the newest committed step is refused unless
+    ``allow_latest``. Where there is a local tier the step goes from it and the root alike;
+    ``root=False``: from the tier alone (another host's first rank); ``missing_ok``: a step
+    in neither is no error (another host may hold it)."""
 
     step: int
     allow_latest: bool = False
     root: bool = True
+    missing_ok: bool = False
 
 
 @dataclass(frozen=True, slots=True)
