@@ -3,6 +3,7 @@ the daemon into new tensors or in place into a module or a mapping of tensors.""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 from pathlib import Path
@@ -378,3 +379,81 @@ def test_an_import_is_recorded_as_load_events(tmp_path, root):
     assert all(e.detail and e.detail.endswith("m.safetensors") for e in loads)
     assert failed.error is not None
     assert failed.error["type"] == "aiockpt.errors.LoadMismatchError"
+
+
+def _join(prefix: str) -> None:
+    """Wait for this process's threads named ``prefix...`` (a segment's deferred release)."""
+    import threading
+
+    for t in threading.enumerate():
+        if t.name.startswith(prefix):
+            t.join()
+
+
+def _segments_held(where: str, made_by: str = "") -> list[str]:
+    """This process's load segments (made by process ``made_by``, any when empty) still open
+    (``fd``) or mapped (``maps``)."""
+    import os
+
+    from aiockpt._core import shm
+
+    if where == "fd":
+        held = []
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):  # the directory's own descriptor, gone
+                held.append(os.readlink(f"/proc/self/fd/{fd}"))
+    else:
+        held = Path("/proc/self/maps").read_text().splitlines()
+    return [h for h in held if f"/{shm.PREFIX}-{made_by}" in h and "-load-" in h]
+
+
+def test_the_trainer_releases_the_segment_after_filling_the_targets(tmp_path, root):
+    """Closing the segment (freeing its pages) is left to a thread once the targets are
+    filled; it still happens, and a load that fails leaves nothing open either."""
+    want = big_tensors()
+    save_file(want, str(tmp_path / "m.safetensors"))
+    target = {k: torch.zeros_like(v) for k, v in want.items()}
+    load(root, str(tmp_path / "m.safetensors"), into=target)
+    _join("aiockpt-hf-free")
+    assert same(target, want)
+    assert _segments_held("fd") == []
+    with pytest.raises(LoadMismatchError):
+        load(root, str(tmp_path / "m.safetensors"), into={**target, "extra": torch.zeros(1)})
+    _join("aiockpt-hf-free")
+    assert _segments_held("fd") == []
+
+
+def test_the_daemon_unmaps_the_segment_after_reading_it(tmp_path):
+    """hfread.read hands the segment over neither mapped nor open, once its unmapping thread
+    is done; the bytes it read are the file's."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    from aiockpt._core import shm
+    from aiockpt._daemon import hfread
+
+    want = big_tensors()
+    save_file(want, str(tmp_path / "m.safetensors"))
+    source = hfread.Source(str(tmp_path / "m.safetensors"), {})
+    segments: set[str] = set()
+    try:
+        info = hfread.describe(source)
+        items = [(n, f, st, sh, s, None) for n, (f, st, sh, s, _) in info.tensors.items()]
+        with ThreadPoolExecutor(2) as pool:
+            reply = hfread.read(source, items, segments, pool)
+        _join("aiockpt-hf-unmap")
+        mine = f"{os.getpid()}-"
+        assert _segments_held("maps", mine) == _segments_held("fd", mine) == []
+        seg = shm.Segment.attach(reply.segment, reply.size)
+        try:
+            b = want["b.weight"]
+            _, _, at = reply.tensors["b.weight"]
+            got = torch.frombuffer(seg.buf, dtype=torch.float32, count=b.numel(), offset=at)
+            assert torch.equal(got.view(b.shape), b)
+            del got
+        finally:
+            seg.close()
+    finally:
+        for name in segments:
+            shm.unlink(name)
+        source.close()

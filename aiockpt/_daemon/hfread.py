@@ -20,6 +20,7 @@ import errno
 import math
 import mmap
 import os
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, NamedTuple
@@ -245,7 +246,9 @@ def read(
         seg.unlink()
         segments.discard(seg.name)
         raise
-    seg.close()  # the trainer maps it and takes it over
+    # The trainer maps it and takes it over. Unmapping hundreds of MiB of populated pages
+    # takes tens of milliseconds: a thread of its own does it once the reply is on its way.
+    threading.Thread(target=seg.close, name="aiockpt-hf-unmap", daemon=True).start()
     nbytes = sum(math.prod(i[3]) * DTYPE_SIZES[i[2]] for i in items)
     return LoadReply(
         step=0,

@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import mmap
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -262,7 +263,11 @@ class Opened:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        os.close(self.fd)
+        # The last reference to the segment gone, its pages are freed: tens of milliseconds
+        # for hundreds of MiB, which a thread of its own spends after the targets are filled.
+        threading.Thread(
+            target=os.close, args=(self.fd,), name="aiockpt-hf-free", daemon=True
+        ).start()
 
     def copy_into(
         self, fill: dict[str, torch.Tensor], keys: dict[str, str], dtype: torch.dtype | None
