@@ -11,7 +11,7 @@ slowest rank's, from a barrier:
 
 - **own tier**: every rank reads its shard from its host's tier;
 - **peer**: host B's ranks come back as a fresh host (a new ``AIOCKPT_HOST_ID``, an empty
-  directory): they fetch their shards from their partners on host A, then load;
+  directory): they read their shards from their partners on host A as they load;
 - **S3 root**: both tiers empty: every rank reads from the root;
 - **raw read**: each rank reads its shard files from its host's tier into memory already
   allocated, no manager (the floor for the own tier).

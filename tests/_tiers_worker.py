@@ -5,9 +5,12 @@ host's local directory (``local``, by host), and the scenario's own settings."""
 from __future__ import annotations
 
 import os
+import signal
+import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from _support.ranks import serve_rank
 
 from aiockpt import AsyncCheckpointManager, LatestN, LocalTier
@@ -58,7 +61,6 @@ async def resume(rank: int, world: int, root: str, args: dict) -> dict:
         exact = exact and torch.equal(plain["model"]["w"], want["model"]["w"])
         tiers = sorted({e.tier for e in events if e.name == "load.tier"})
         incomplete = sorted({e.step for e in events if e.name == "tier.incomplete"})
-        fetched = sorted({e.step for e in events if e.name == "tier.fetched"})
     return {
         "latest": latest,
         "step": target["step"],
@@ -66,8 +68,39 @@ async def resume(rank: int, world: int, root: str, args: dict) -> dict:
         "exact": exact,
         "tiers": tiers,
         "incomplete": incomplete,
-        "fetched": fetched,
     }
+
+
+async def try_resume(rank: int, world: int, root: str, args: dict) -> dict:
+    """Agree on the latest step, then, where ``kill`` names this rank's host, lose this
+    rank's daemon (its replicas' server with it) before any rank loads; then load that step:
+    its error's class and words on this rank, or None, and the details of its tier.failed
+    events."""
+    events: list = []
+    async with manager(rank, root, args, events) as mgr:
+        latest = await mgr.latest_step()
+        if args["hosts"][rank] == args.get("kill"):
+            pid = mgr.daemon_pid
+            os.kill(pid, signal.SIGKILL)
+            while not dead(pid):
+                time.sleep(0.05)
+        dist.barrier()
+        error = None
+        try:
+            await mgr.load(latest, into=state_for(rank, 0))
+        except Exception as e:
+            error = [type(e).__name__, str(e)]
+    failed = [e.detail for e in events if e.name == "tier.failed"]
+    return {"latest": latest, "error": error, "failed": failed}
+
+
+def dead(pid: int) -> bool:
+    """Whether process ``pid`` is a zombie: gone, its sockets closed, not yet reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:  # reaped already
+        return True
 
 
 async def delete(rank: int, world: int, root: str, args: dict) -> dict:
@@ -101,6 +134,7 @@ async def opens(rank: int, world: int, root: str, args: dict) -> dict:
 SCENARIOS = {
     "save": save,
     "resume": resume,
+    "try_resume": try_resume,
     "delete": delete,
     "try_delete": try_delete,
     "opens": opens,

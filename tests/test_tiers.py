@@ -318,17 +318,52 @@ def test_a_host_replaced_resumes_from_its_partners_replicas(tmp_path):
         assert committed(tmp_path / f"local-{host}") == [6, 7]
         assert shard_ranks(tmp_path / f"local-{host}", 7) == {0, 1, 2, 3}
     # Host b is lost, its disk with it, and replaced by a fresh host c with an empty tier:
-    # ranks 2 and 3 fetch step 7's shards from host a and resume it bit-exact.
+    # ranks 2 and 3 read step 7's shards from host a over the network as they load, and
+    # resume it bit-exact; nothing is copied into host c's tier.
     os.system(f"rm -rf {tmp_path / 'local-b'}")
     fresh = two_hosts(tmp_path, ("a", "c"), replicas=1)
     resumed = run_tiers("resume", 4, tmp_path, root, fresh)
     assert [(r["latest"], r["step"], r["rank"], r["exact"]) for r in resumed] == [
         (7, 7, rank, True) for rank in range(4)
     ]
-    assert [r["tiers"] for r in resumed] == [["local"]] * 4
-    assert [r["fetched"] for r in resumed] == [[], [], [6, 7], [6, 7]]
-    assert committed(tmp_path / "local-c") == [6, 7]
-    assert shard_ranks(tmp_path / "local-c", 7) == {2, 3}
+    assert [r["tiers"] for r in resumed] == [["local"], ["local"], ["peer"], ["peer"]]
+    assert committed(tmp_path / "local-c") == []
+    assert os.listdir(tmp_path / "local-c") == []
+
+
+def test_a_corrupt_or_lost_replica_fails_the_load_on_every_rank(tmp_path):
+    root = str(tmp_path / "root")
+    args = two_hosts(tmp_path, replicas=1)
+    run_tiers("save", 4, tmp_path, root, args)
+    os.system(f"rm -rf {tmp_path / 'local-b'}")
+    fresh = two_hosts(tmp_path, ("a", "c"), replicas=1)
+    # A byte of host a's copy of rank 2's shard of step 7 rots: the tensor's crc32c catches
+    # it as rank 2 reads it over the network, and the load fails on every rank.
+    step7 = tmp_path / "local-a" / step_dirname(7)
+    (replica,) = [f for f in os.listdir(step7) if f.startswith("shard_r00002.")]
+    data = bytearray((step7 / replica).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (step7 / replica).write_bytes(bytes(data))
+    resumed = run_tiers("try_resume", 4, tmp_path, root, fresh)
+    assert [r["latest"] for r in resumed] == [7] * 4
+    errors = [r["error"] for r in resumed]
+    assert errors[2][0] == "CorruptCheckpointError"
+    assert all(e[0] == "CheckpointError" and "rank(s) [2]" in e[1] for e in errors[:2] + errors[3:])
+    assert errors[2][1].startswith(f"peer://rank0/{step_dirname(7)}/{replica}")
+    # Host a's daemons die once the ranks agreed on step 7 and before host c's load it: the
+    # load fails on every rank, never a hang; host c's ranks find step 7 nowhere, having
+    # said that their partners cannot be reached.
+    data[len(data) // 2] ^= 0xFF
+    (step7 / replica).write_bytes(bytes(data))
+    resumed = run_tiers("try_resume", 4, tmp_path, root, {**fresh, "kill": "a"})
+    assert [r["latest"] for r in resumed] == [7] * 4
+    errors = [r["error"] for r in resumed]
+    assert errors[0] is not None  # their daemons died: what they say depends on how soon
+    assert errors[1] is not None
+    for rank, partner in ((2, 0), (3, 1)):
+        assert errors[rank][0] == "CheckpointNotFoundError"
+        assert "step 7 is not a committed checkpoint" in errors[rank][1]
+        assert any(f"by rank {partner}:" in why for why in resumed[rank]["failed"])
 
 
 def test_delete_on_several_hosts_removes_the_step_from_every_tier(tmp_path):

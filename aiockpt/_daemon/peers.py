@@ -7,14 +7,14 @@ daemon stays torch-free. Once a rank's shard of a step is committed in its own h
 its daemon sends a copy to the daemons of its ``k`` partners (:func:`partners`: the same
 local rank on each of the next ``k`` hosts, round robin), which write it into their tiers'
 step directories: streamed, checked against the shard's crc32c before it is linked into
-place, never over a file that is there. A replacement host, its tier empty, fetches from its
-partners, when its daemon starts, the manifests and its ranks' shards that they hold, so its
-ranks then load from their own tier.
+place, never over a file that is there. A replacement host, its tier empty, reads its ranks'
+shards from its partners as it loads them (``peerview.py``), without copying them.
 
 The wire: each message is a 4-byte big-endian length, a JSON header of that length, and,
 where the header has ``size``, that many raw bytes; ``crc32c`` in the header is theirs.
 Requests: ``put`` (a shard copy), ``list`` (the steps whose shard of a rank this tier holds),
-``get`` (a byte range of a file of a step). Answers: ``{"ok": true, ...}`` or ``{"error"}``.
+``read`` (a byte range of a step's manifest or shard, and the file's size). Answers:
+``{"ok": true, ...}`` or ``{"error"}``, after which the server hangs up.
 """
 
 from __future__ import annotations
@@ -29,10 +29,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-import crc32c
-
 from .._core import format as fmt
-from .._core.catalog import Catalog, manifest_path
+from .._core.catalog import Catalog
 from .._core.storeops import StoreOps
 from ..errors import CheckpointError, StorageError
 from ..storage._local import LocalStorage
@@ -135,14 +133,6 @@ def send_file(sock: socket.socket, storage: LocalStorage, path: str, start: int,
         at += len(piece)
 
 
-def crc_of(storage: LocalStorage, path: str, start: int, end: int) -> int:
-    crc, at = 0, start
-    while at < end:
-        crc = crc32c.crc32c(storage.read_range(path, at, min(end, at + CHUNK)), crc)
-        at = min(end, at + CHUNK)
-    return crc
-
-
 def checked_path(step: Any, name: Any) -> str:
     """``step``'s file ``name``, where it is a manifest or a shard: nothing else is served."""
     if type(step) is not int or step < 0 or not isinstance(name, str):
@@ -202,16 +192,14 @@ class PeerServer(socketserver.ThreadingTCPServer):
             send_msg(sock, {"ok": True, "fresh": fresh})
         elif op == "list":
             send_msg(sock, {"ok": True, "steps": self.holding(int(req["rank"]))})
-        elif op == "get":
+        elif op == "read":
             path = checked_path(req.get("step"), req.get("file"))
+            start, end = req.get("start"), req.get("end")
             size = self.storage.size(path)
-            # A shard's crc32c is its manifest's, which the asker names: the asker checks the
-            # bytes against it as they come, so they are read once here, not twice.
-            crc = req.get("crc32c")
-            if type(crc) is not int:
-                crc = crc_of(self.storage, path, 0, size)
-            send_msg(sock, {"ok": True, "size": size, "crc32c": crc})
-            send_file(sock, self.storage, path, 0, size)
+            if type(start) is not int or type(end) is not int or not 0 <= start <= end <= size:
+                raise StorageError(f"{path}: {start!r}..{end!r} is not a range of its {size} bytes")
+            send_msg(sock, {"ok": True, "size": size, "length": end - start})
+            send_file(sock, self.storage, path, start, end)
         else:
             send_msg(sock, {"error": f"not a peer request: {op!r}"})
 
@@ -232,8 +220,8 @@ class PeerServer(socketserver.ThreadingTCPServer):
 
 
 class Peers:
-    """A daemon's side of the replicas: its server, its partners, the copies it sends and
-    the shards it fetches."""
+    """A daemon's side of the replicas: its server, its partners and the copies it sends
+    (what it reads of theirs: ``peerview.py``)."""
 
     def __init__(
         self,
@@ -245,7 +233,6 @@ class Peers:
         say: Say,
     ) -> None:
         self.storage = storage
-        self.catalog = Catalog(storage)
         self.ops = ops
         self.rank = rank
         self.targets = targets
@@ -276,8 +263,14 @@ class Peers:
             self._addrs[rank] = (host, int(port))
         return self._addrs[rank]
 
-    def _connect(self, rank: int) -> socket.socket:
+    def connect(self, rank: int) -> socket.socket:
+        """A new connection to ``rank``'s daemon, whose operations time out after the job's
+        ``dist_timeout``."""
         return socket.create_connection(self._addr(rank), timeout=self.timeout)
+
+    def forget(self, rank: int) -> None:
+        """Look ``rank``'s address up again next time: a new daemon there may have another."""
+        self._addrs.pop(rank, None)
 
     def replicate(self, step: int, name: str, crc: int) -> None:
         """Send this rank's shard ``name`` of ``step``, durable in this host's tier, to each
@@ -291,7 +284,7 @@ class Peers:
             return
         for target in self.targets:
             try:
-                with self._connect(target) as sock:
+                with self.connect(target) as sock:
                     head = {"op": "put", "step": step, "file": name, "size": size}
                     send_msg(sock, {**head, "crc32c": crc})
                     send_file(sock, self.storage, path, 0, size)
@@ -300,47 +293,9 @@ class Peers:
                     raise StorageError(answer["error"])
                 self.say("tier.replicated", step, f"{name} to rank {target}")
             except Exception as e:
-                self._addrs.pop(target, None)  # a new daemon there may have a new address
+                self.forget(target)
                 why = f"{type(e).__name__}: {e}"
                 self.say("tier.failed", step, f"replica of {name} to rank {target}: {why}")
-
-    def fetch(self) -> None:
-        """Fetch from the partners each step they hold this rank's shard of and this host's
-        tier does not: its manifest first, then the shard (a step's manifest without this
-        rank's shard is not loadable here, and another rank of this host removing partial
-        steps as its daemon starts must not take a step half fetched)."""
-        for target in self.targets:
-            try:
-                with self._connect(target) as sock:
-                    rfile = sock.makefile("rb")
-                    send_msg(sock, {"op": "list", "rank": self.rank})
-                    answer = recv_msg(rfile)
-                    for step, name, crc in answer.get("steps", ()):
-                        if not self._have(step, name):
-                            self._get(sock, rfile, step, fmt.MANIFEST, None)
-                            self._get(sock, rfile, step, name, crc)
-                            self.say("tier.fetched", step, f"{name} from rank {target}")
-            except Exception as e:
-                self.say("tier.failed", None, f"fetch from rank {target}: {type(e).__name__}: {e}")
-
-    def _have(self, step: int, name: str) -> bool:
-        return self.storage.exists(manifest_path(step)) and self.storage.exists(
-            f"{fmt.step_dirname(step)}/{name}"
-        )
-
-    def _get(
-        self, sock: socket.socket, rfile: BinaryIO, step: int, name: str, want: int | None
-    ) -> None:
-        send_msg(sock, {"op": "get", "step": step, "file": name, "crc32c": want})
-        head = recv_msg(rfile)
-        if "error" in head:
-            raise StorageError(head["error"])
-        crc = int(head["crc32c"])
-        if want is not None and crc != want:
-            raise StorageError(f"step {step}'s {name}: crc32c {crc:#010x}, not {want:#010x}")
-        self.storage.makedirs(fmt.step_dirname(step))
-        path = checked_path(step, name)
-        receive_file(rfile, self.storage, path, int(head["size"]), crc)
 
     def close(self) -> None:
         self.server.shutdown()

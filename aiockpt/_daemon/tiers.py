@@ -11,12 +11,13 @@ A failure of the local tier never fails a save the root commits: it is a ``tier.
 event. A step due only in the local tier that the local tier could not commit landed
 nowhere: its save fails with a :class:`CheckpointError`.
 
-Loads and listings see both tiers through :class:`TierView`: a step the local tier holds is
-read from it, every other from the root.
+Loads and listings see the tiers through :class:`TierView`: a file the local tier holds is
+read from it, else from a partner holding it, else from the root.
 
 With ``LocalTier(replicas=k)`` on several hosts, each rank's shard is also copied into its
-partners' tiers before its part of the manifest is handed over, and a replacement host
-fetches its shards from its partners as its daemons start (``peers.py``).
+partners' tiers before its part of the manifest is handed over (``peers.py``), and a rank
+whose own tier lacks a step its partner holds reads it from the partner over the network as
+it loads (``peerview.py``): a replacement host's recovery, nothing copied to its disk.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from ..tiers import leads_host as first_of_host
 from .hostcommit import HostCoordinator, local_coordinator
 from .load import Reader
 from .peers import Peers, partners
+from .peerview import PeerView
 from .pipe import Outbox, remote_error
 from .prune import Pruner
 from .writer import Writer, follow
@@ -187,29 +189,42 @@ class TieredWriter:
 
 
 class TierView:
-    """The local tier and the root as one read-only root, for loads and listings: a file the
-    local tier holds is read from it, any other from the root. Shard files are named by the
-    attempt that wrote them, so a name found in the local tier is that file; a step in both
-    tiers is read through the local tier's manifest, which names the local shards."""
+    """The local tier, the partners' replicas (where there are some) and the root as one
+    read-only root, for loads and listings: a file the local tier holds is read from it,
+    else from a partner that holds it, else from the root. Shard files are named by the
+    attempt that wrote them, so a name found in a tier is that file; a step in several is
+    read through the first one's manifest, which names its shards."""
 
-    def __init__(self, local: Storage, root: Storage, emit: Emit | None = None) -> None:
+    def __init__(
+        self, local: Storage, root: Storage, emit: Emit | None = None, peer: PeerView | None = None
+    ) -> None:
         self.local = local
         self.root = root
+        self.peer = peer
         self.url = root.url
         self.emit = emit
         self._told: set[str] = set()  # the shard files whose tier this load has named
 
-    def _pick(self, path: str) -> Storage:
-        local = self.local.exists(path)
+    def _pick(self, path: str) -> Storage | PeerView:
+        storage: Storage | PeerView
+        if self.local.exists(path):
+            storage, tier = self.local, "local"
+        elif self.peer is not None and self.peer.exists(path):
+            storage, tier = self.peer, "peer"
+        else:
+            storage, tier = self.root, "root"
         if self.emit is not None:
             head, _, name = path.partition("/")
             if name == fmt.MANIFEST:
                 self._told.clear()  # a load reads its manifest first: a new load
             elif name.startswith("shard_") and path not in self._told:
                 self._told.add(path)
-                tier = "local" if local else "root"
                 self.emit("load.tier", fmt.parse_step_dirname(head), tier, path)
-        return self.local if local else self.root
+        return storage
+
+    def held(self, path: str) -> bool:
+        """Whether this host's tier or a partner holds ``path``."""
+        return self.local.exists(path) or (self.peer is not None and self.peer.exists(path))
 
     def read_range(self, path: str, start: int, end: int) -> bytes:
         return self._pick(path).read_range(path, start, end)
@@ -221,10 +236,13 @@ class TierView:
         return self._pick(path).size(path)
 
     def exists(self, path: str) -> bool:
-        return self.local.exists(path) or self.root.exists(path)
+        return self.held(path) or self.root.exists(path)
 
     def list_dir(self, path: str) -> list[str]:
-        return sorted(set(self.local.list_dir(path)) | set(self.root.list_dir(path)))
+        names = set(self.local.list_dir(path)) | set(self.root.list_dir(path))
+        if self.peer is not None:
+            names |= set(self.peer.list_dir(path))
+        return sorted(names)
 
     def write_file(self, path: str, buffers: Sequence[memoryview]) -> None:
         raise StorageError("the tiers' view is read-only")
@@ -246,12 +264,18 @@ class Tiers:
     """What a daemon with a local tier holds beyond a plain one."""
 
     def __init__(
-        self, storage: LocalStorage, catalog: Catalog, writer: Writer, peers: Peers | None
+        self,
+        storage: LocalStorage,
+        catalog: Catalog,
+        writer: Writer,
+        peers: Peers | None,
+        peer_view: PeerView | None = None,
     ) -> None:
         self.storage = storage
         self.catalog = catalog
         self.writer = writer
         self.peers = peers
+        self.peer_view = peer_view
 
     def delete(self, req: DeleteReq, root: Pruner) -> bool:
         """``delete(step)`` where there is a tier: the step goes from the tier and the root,
@@ -286,6 +310,8 @@ class Tiers:
         return self.catalog.collect_partials(busy)
 
     def close(self) -> None:
+        if self.peer_view is not None:
+            self.peer_view.close()
         if self.peers is not None:
             self.peers.close()
         self.storage.close()
@@ -297,8 +323,9 @@ def leads_host(cfg: Hello) -> bool:
 
 
 class TierCatalog(Catalog):
-    """The steps this rank can load: the root's, and those of its host's tier that hold
-    its own shard (on several hosts a tier holds only the shards written there)."""
+    """The steps this rank can load: the root's, and those of its host's tier or of its
+    partners' replicas whose manifest and own shard are there (on several hosts a tier holds
+    only the shards written there and its partners' copies)."""
 
     def __init__(
         self, view: TierView, rank: int, check_shards: bool, emit: Emit | None = None
@@ -309,7 +336,17 @@ class TierCatalog(Catalog):
         self.check_shards = check_shards
         self.emit = emit
 
+    def where(self, path: str = "") -> str:
+        """The URL of ``path`` where a load reads it: this host's tier, a partner's, the root."""
+        if path and self.view.local.exists(path):
+            return f"{self.view.local.url.rstrip('/')}/{path}"
+        if path and self.view.peer is not None and self.view.peer.exists(path):
+            return self.view.peer.where(path)
+        return super().where(path)
+
     def committed_steps(self) -> list[int]:
+        if self.view.peer is not None:
+            self.view.peer.refresh()  # what the partners hold now: they prune as they save
         steps = super().committed_steps()
         if not self.check_shards:
             return steps
@@ -321,11 +358,12 @@ class TierCatalog(Catalog):
         try:
             shard = self.read_manifest(step, lazy=True).shard_of(self.rank)
         except (CheckpointError, KeyError) as e:
-            self._incomplete(step, f"its manifest in this host's tier does not read: {e}")
+            self._incomplete(step, f"its manifest does not read: {e}")
             return False
-        if self.view.local.exists(f"{fmt.step_dirname(step)}/{shard.file}"):
+        if self.view.held(f"{fmt.step_dirname(step)}/{shard.file}"):
             return True
-        self._incomplete(step, f"this host's tier lacks rank {self.rank}'s shard {shard.file}")
+        where = "this host's tier" if self.view.peer is None else "this host's tier and partners"
+        self._incomplete(step, f"{where} lack rank {self.rank}'s shard {shard.file}")
         return False
 
     def _incomplete(self, step: int, why: str) -> None:
@@ -367,17 +405,20 @@ def attach(d: Daemon) -> Tiers | None:
     if isinstance(coord, HostCoordinator):
         coord.peers = peers
     several = len(set(cfg.hosts)) > 1
-    view = TierCatalog(TierView(storage, d.storage, emit), cfg.rank, several, emit)
+    theirs = None
+    if peers is not None:
+        theirs = PeerView(peers, lambda name, step, detail: emit(name, step, "peer", detail))
+    tiers_view = TierView(storage, d.storage, emit, theirs)
+    view = TierCatalog(tiers_view, cfg.rank, several, emit)
     d.reader = Reader(view, d.slabs, d.pool)
     d.listing = view
-    return Tiers(storage, catalog, local, peers)
+    return Tiers(storage, catalog, local, peers, theirs)
 
 
 def replicas(d: Daemon, storage: LocalStorage, emit: Emit) -> Peers | None:
     """This daemon's peer replicas, where its tier asks for some and there are other hosts
-    (none on one host): its server up and its address in the job's store, then the shards
-    its partners hold and this host's tier lacks fetched (a replacement host's recovery),
-    before the first listing or load."""
+    (none on one host): its server up and its address in the job's store before the first
+    save, listing or load."""
     cfg: Hello = d.cfg
     tier: Any = cfg.local
     targets = partners(cfg.hosts, cfg.rank, tier.replicas) if cfg.hosts else []
@@ -394,5 +435,4 @@ def replicas(d: Daemon, storage: LocalStorage, emit: Emit) -> Peers | None:
         say("tier.failed", None, f"no peer replicas from rank {cfg.rank}: {e}")
         Peers.unreachable(d.store_ops, cfg.rank)
         return None
-    peers.fetch()
     return peers

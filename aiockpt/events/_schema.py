@@ -54,7 +54,6 @@ EVENTS: dict[str, EventKind] = {
     "tier.failed": EventKind(_D, WARNING),
     "tier.incomplete": EventKind(_D, INFO),
     "tier.replicated": EventKind(_D, DEBUG),
-    "tier.fetched": EventKind(_D, INFO),
     "load.tier": EventKind(_D, DEBUG),
 }
 EVENT_NAMES = frozenset(EVENTS)
@@ -97,7 +96,7 @@ class Event:
     #: Words for people: on ``lease.takeover``, whose lease was taken over and why; on
     #: ``lease.lapsed``, what failed the renewals.
     detail: str | None = None
-    #: On ``tier.*`` and ``load.tier``: the tier concerned ("local" or "root").
+    #: On ``tier.*`` and ``load.tier``: the tier concerned ("local", "peer" or "root").
     tier: str | None = field(default=None, metadata=LOGGED)
 
     def to_dict(self) -> dict[str, Any]:
