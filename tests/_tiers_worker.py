@@ -110,6 +110,24 @@ async def delete(rank: int, world: int, root: str, args: dict) -> dict:
     return {"steps": steps}
 
 
+def full_weight(step: int) -> torch.Tensor:
+    """The whole of the sharded weight that save_sharded saves at ``step``."""
+    return torch.arange(6 * 4, dtype=torch.float32).reshape(6, 4) + 100 * step
+
+
+async def save_sharded(rank: int, world: int, root: str, args: dict) -> dict:
+    """Steps 1..7 of one weight sharded by rows over every rank (a DTensor)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    async with manager(rank, root, args) as mgr:
+        for step in range(1, 8):
+            w = distribute_tensor(full_weight(step), mesh, [Shard(0)])
+            await (await mgr.save(step, {"w": w, "step": step}))
+    return {}
+
+
 async def try_delete(rank: int, world: int, root: str, args: dict) -> dict:
     """delete(), its error's class and words on this rank, or None; then the steps."""
     async with manager(rank, root, args) as mgr:
@@ -138,6 +156,7 @@ SCENARIOS = {
     "delete": delete,
     "try_delete": try_delete,
     "opens": opens,
+    "save_sharded": save_sharded,
 }
 
 if __name__ == "__main__":

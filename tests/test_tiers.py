@@ -419,6 +419,37 @@ def test_a_tier_that_cannot_be_cleaned_fails_open_on_every_rank(tmp_path):
         assert "Operation not permitted" in r["error"][1]
 
 
+async def test_a_tier_reshards_only_steps_whose_every_shard_it_can_read(tmp_path, monkeypatch):
+    """One process resumes, as host a, a weight 2 ranks on hosts a and b sharded: it needs
+    both ranks' shards. Host a's tier holds rank 1's through its replica; where that replica
+    is missing, the step is not loadable there and an older one is."""
+    from _tiers_worker import full_weight
+
+    root = str(tmp_path / "root")
+    args = {"hosts": ["a", "b"], "local": {h: str(tmp_path / f"local-{h}") for h in "ab"}}
+    args.update(persist_every=5, replicas=1)
+    run_tiers("save_sharded", 2, tmp_path, root, args)
+    monkeypatch.setenv("AIOCKPT_HOST_ID", "a")
+    tier = LocalTier(args["local"]["a"], keep=2, replicas=1)
+
+    async def resumed() -> tuple[int | None, dict]:
+        async with AsyncCheckpointManager(root, local=tier, persist_every=5) as mgr:
+            target = {"w": torch.zeros(6, 4), "step": 0}
+            await mgr.load(into=target)
+            return await mgr.latest_step(), target
+
+    latest, target = await resumed()
+    assert (latest, target["step"]) == (7, 7)
+    assert torch.equal(target["w"], full_weight(7))
+    step7 = tmp_path / "local-a" / step_dirname(7)
+    for name in os.listdir(step7):
+        if name.startswith("shard_r00001."):
+            os.unlink(step7 / name)  # rank 1's replica of step 7 is lost
+    latest, target = await resumed()
+    assert (latest, target["step"]) == (6, 6)
+    assert torch.equal(target["w"], full_weight(6))
+
+
 def test_every_hosts_tier_loses_its_partial_steps_at_open(tmp_path):
     """A save cut short leaves a step directory without a manifest in each host's tier; the
     next open removes it on every host, not only on rank 0's."""

@@ -204,17 +204,22 @@ class TierView:
         self.url = root.url
         self.emit = emit
         self._told: set[str] = set()  # the shard files whose tier this load has named
+        #: The steps read from the root alone: the tiers hold them, but not every shard a
+        #: load of them needs, and the root does (see TierCatalog._loadable).
+        self.from_root: set[int] = set()
 
     def _pick(self, path: str) -> Storage | PeerView:
         storage: Storage | PeerView
-        if self.local.exists(path):
+        head, _, name = path.partition("/")
+        if fmt.parse_step_dirname(head) in self.from_root:
+            storage, tier = self.root, "root"
+        elif self.local.exists(path):
             storage, tier = self.local, "local"
         elif self.peer is not None and self.peer.exists(path):
             storage, tier = self.peer, "peer"
         else:
             storage, tier = self.root, "root"
         if self.emit is not None:
-            head, _, name = path.partition("/")
             if name == fmt.MANIFEST:
                 self._told.clear()  # a load reads its manifest first: a new load
             elif name.startswith("shard_") and path not in self._told:
@@ -324,20 +329,24 @@ def leads_host(cfg: Hello) -> bool:
 
 class TierCatalog(Catalog):
     """The steps this rank can load: the root's, and those of its host's tier or of its
-    partners' replicas whose manifest and own shard are there (on several hosts a tier holds
-    only the shards written there and its partners' copies)."""
+    partners' replicas whose manifest and every shard a load needs are there: its own, or
+    every rank's where the step was saved by another number of ranks (a reshard reads from
+    all of them). On several hosts a tier holds only the shards written there and its
+    partners' copies; one process may open a tier several ranks wrote."""
 
     def __init__(
-        self, view: TierView, rank: int, check_shards: bool, emit: Emit | None = None
+        self, view: TierView, rank: int, world_size: int, emit: Emit | None = None
     ) -> None:
         super().__init__(view)
         self.view = view
         self.rank = rank
-        self.check_shards = check_shards
+        self.world_size = world_size
         self.emit = emit
 
     def where(self, path: str = "") -> str:
         """The URL of ``path`` where a load reads it: this host's tier, a partner's, the root."""
+        if fmt.parse_step_dirname(path.partition("/")[0]) in self.view.from_root:
+            return super().where(path)
         if path and self.view.local.exists(path):
             return f"{self.view.local.url.rstrip('/')}/{path}"
         if path and self.view.peer is not None and self.view.peer.exists(path):
@@ -348,22 +357,33 @@ class TierCatalog(Catalog):
         if self.view.peer is not None:
             self.view.peer.refresh()  # what the partners hold now: they prune as they save
         steps = super().committed_steps()
-        if not self.check_shards:
-            return steps
         return [s for s in steps if self._loadable(s)]
 
     def _loadable(self, step: int) -> bool:
-        if self.view.root.exists(manifest_path(step)):
-            return True
+        """Whether a load of ``step`` here finds every shard it reads: through a tier's
+        manifest, where a tier holds one, else through the root's (loaded as without a
+        tier). A tier's step that lacks one, when the root has the step, is read from the
+        root alone."""
+        self.view.from_root.discard(step)
+        if not self.view.held(manifest_path(step)):
+            return True  # the root's
         try:
-            shard = self.read_manifest(step, lazy=True).shard_of(self.rank)
+            m = self.read_manifest(step, lazy=True)
+            needed = m.shards if m.world_size != self.world_size else [m.shard_of(self.rank)]
+            why = ""
         except (CheckpointError, KeyError) as e:
-            self._incomplete(step, f"its manifest does not read: {e}")
-            return False
-        if self.view.held(f"{fmt.step_dirname(step)}/{shard.file}"):
+            needed, why = [], f"its manifest does not read: {e}"
+        head = fmt.step_dirname(step)
+        lacking = [s.file for s in needed if not self.view.held(f"{head}/{s.file}")]
+        if lacking and not why:
+            where = "this host's tier" + ("" if self.view.peer is None else " and partners")
+            why = f"{where} lack the shard(s) {', '.join(lacking)}"
+        if not why:
             return True
-        where = "this host's tier" if self.view.peer is None else "this host's tier and partners"
-        self._incomplete(step, f"{where} lack rank {self.rank}'s shard {shard.file}")
+        if self.view.root.exists(manifest_path(step)):
+            self.view.from_root.add(step)
+            return True
+        self._incomplete(step, why)
         return False
 
     def _incomplete(self, step: int, why: str) -> None:
@@ -404,12 +424,11 @@ def attach(d: Daemon) -> Tiers | None:
     peers = replicas(d, storage, emit)
     if isinstance(coord, HostCoordinator):
         coord.peers = peers
-    several = len(set(cfg.hosts)) > 1
     theirs = None
     if peers is not None:
         theirs = PeerView(peers, lambda name, step, detail: emit(name, step, "peer", detail))
     tiers_view = TierView(storage, d.storage, emit, theirs)
-    view = TierCatalog(tiers_view, cfg.rank, several, emit)
+    view = TierCatalog(tiers_view, cfg.rank, cfg.world_size, emit)
     d.reader = Reader(view, d.slabs, d.pool)
     d.listing = view
     return Tiers(storage, catalog, local, peers, theirs)
