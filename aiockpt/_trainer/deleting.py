@@ -65,8 +65,7 @@ async def deleted_everywhere(
     deleted it."""
     agree_on(group, step, allow_latest)
     d = await daemons.live()
-    listed = group.all_gather(list(await d.request(StepsReq)), "the steps' agreement")
-    loadable = sorted(set.intersection(*(set(s) for s in listed)))
+    loadable = _dist.agreed_steps(group, list(await d.request(StepsReq)))
     if loadable and step == loadable[-1] and not allow_latest:
         raise InvalidStepError(
             f"step {step} is the newest checkpoint every rank can load, which a resume loads; "

@@ -23,6 +23,15 @@ from ..errors import CheckpointError, DistributedSaveError, InvalidStepError, Un
 Fail = Callable[[str, list[int]], Exception]
 
 
+def agreed_steps(group: Group | None, steps: list[int]) -> list[int]:
+    """The steps every rank of ``group`` can load: with a local tier, a rank lists the steps
+    whose manifest and the shards a load needs it can read, which differ from host to host."""
+    if group is None:
+        return steps
+    told = group.all_gather(steps, "the steps' agreement")
+    return sorted(set.intersection(*(set(s) for s in told)))
+
+
 def save_failed(message: str, ranks: list[int]) -> Exception:
     return DistributedSaveError(message, ranks=ranks)
 

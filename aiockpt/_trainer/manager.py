@@ -316,7 +316,7 @@ class AsyncCheckpointManager(SafetensorsLoading):
         shard is available (a collective then: every rank calls it)."""
         self._check_open()
         steps = list(await (await self._daemons.live()).request(StepsReq))
-        return agreed_steps(self._group, steps) if self._hosts else steps
+        return _dist.agreed_steps(self._group, steps) if self._hosts else steps
 
     async def latest_step(self) -> int | None:
         """The newest committed step, None when there is none."""
@@ -357,15 +357,6 @@ class AsyncCheckpointManager(SafetensorsLoading):
         if step is None and self._hosts:  # the newest step complete on every rank
             step = await self.latest_step()
         return await self._loader.load(step, into, strict, check_keys(keys), atomic)
-
-
-def agreed_steps(group: _dist.Group | None, steps: list[int]) -> list[int]:
-    """The steps every rank of ``group`` can load: with a local tier, a rank lists the steps
-    whose manifest and whose own shard it can read, which differ from host to host."""
-    if group is None:
-        return steps
-    told = group.all_gather(steps, "the steps' agreement")
-    return sorted(set.intersection(*(set(s) for s in told)))
 
 
 def hello_of(mgr: AsyncCheckpointManager) -> Hello:

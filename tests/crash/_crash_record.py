@@ -84,6 +84,16 @@ def crashed_save(url: str, log: str, step: int, shard: bytes) -> None:
     storage.write_file(f"{step_dir}/shard_r00000.{'0' * 16}.safetensors", [memoryview(shard)])
 
 
+def half_shard(root: str, step: int) -> bytes:
+    """The first half of rank 0's shard of ``step`` under ``root``: what a save cut short
+    by a daemon's death leaves."""
+    step_dir = os.path.join(root, f"step_{step:012d}")
+    (name,) = (n for n in os.listdir(step_dir) if n.startswith("shard_r00000."))
+    with open(os.path.join(step_dir, name), "rb") as f:
+        shard = f.read()
+    return shard[: len(shard) // 2]
+
+
 async def record_single(root: str, log: str) -> Recording:
     """One rank: saves 1 and 2; a save of 3 cut short by a daemon death (a partial); save 4,
     whose retention pass (LatestN(2)) deletes step 1; then a new manager opens the root and
@@ -95,11 +105,7 @@ async def record_single(root: str, log: str) -> Recording:
     ) as mgr:
         for step in (1, 2, 4):
             if step == 4:
-                step2 = os.path.join(root, "step_000000000002")
-                (name,) = (n for n in os.listdir(step2) if n.startswith("shard_r00000."))
-                with open(os.path.join(step2, name), "rb") as f:
-                    shard = f.read()
-                crashed_save(url, log, 3, shard[: len(shard) // 2])
+                crashed_save(url, log, 3, half_shard(root, 2))
             await (await mgr.save(step, state_for(step)))
             mark(log, durable=step)
     async with AsyncCheckpointManager(url, storage_options=options, lease_ttl=LEASE_TTL):
@@ -214,11 +220,7 @@ async def record_tier(root: str, tier: str, log: str) -> Recording:
         ) as mgr:
             for step in (1, 2, 4, 5):
                 if step == 4:
-                    step2 = os.path.join(tier, "step_000000000002")
-                    (name,) = (n for n in os.listdir(step2) if n.startswith("shard_r00000."))
-                    with open(os.path.join(step2, name), "rb") as f:
-                        shard = f.read()
-                    crashed_save(url, log, 3, shard[: len(shard) // 2])
+                    crashed_save(url, log, 3, half_shard(tier, 2))
                 await (await mgr.save(step, state_for(step)))
                 mark(log, durable=step)
                 shutil.copytree(root, os.path.join(snapshots, str(step)))
