@@ -380,11 +380,15 @@ def test_ls_of_a_missing_root_exits_2_and_of_an_empty_root_0(tmp_path):
     assert r.returncode == 0
     assert r.stderr == f"no checkpoints in {empty} (1 partial step dir)\n"
 
-    # The other commands still take a root without checkpoints for a mistake.
-    for args in (("show", missing, "1"), ("verify", str(empty)), ("prune", missing)):
+    # The other commands take a root without checkpoints for a mistake, and say a missing
+    # root does not exist, as ls does.
+    r = aiockpt_run("verify", str(empty))
+    assert r.returncode == 2
+    assert r.stderr == f"aiockpt: error: no checkpoints in {empty} (1 partial step dir)\n"
+    for args in (("show", missing, "1"), ("prune", missing)):
         r = aiockpt_run(*args)
         assert r.returncode == 2
-        assert "aiockpt: error: no checkpoints in " in r.stderr
+        assert r.stderr == f"aiockpt: error: {missing} does not exist\n"
 
 
 def test_ls_asks_any_storage_whether_the_root_exists(tmp_path):

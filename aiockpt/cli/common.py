@@ -121,9 +121,19 @@ def no_checkpoints(root: Root) -> str:
     return f"no checkpoints in {root.url}{extra}"
 
 
+def require_exists(root: Root) -> None:
+    """A usage error when the root is not there (most likely a typo), as its storage says: a
+    local directory that is not there, a prefix with nothing under it on an object store. A
+    root with step directories exists, whatever the storage says of directories."""
+    if not root.committed and not root.partials and not root.catalog.storage.exists(""):
+        raise UsageError(f"{root.url} does not exist")
+
+
 def require_checkpoints(root: Root) -> None:
-    """A usage error unless the root holds a committed checkpoint."""
+    """A usage error unless the root holds a committed checkpoint: one that says the root
+    does not exist, when it does not."""
     if not root.committed:
+        require_exists(root)
         raise UsageError(no_checkpoints(root))
 
 

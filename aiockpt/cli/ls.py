@@ -4,18 +4,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from typing import Any, TextIO
 
 from .._core import format as fmt
+from ..retention import collectable_partials
 from .args import Parser
-from .common import Root, UsageError, no_checkpoints, open_root, scan
+from .common import Root, no_checkpoints, open_root, require_exists, scan
 from .output import format_metrics, format_time, human_bytes, plural, table
 
 #: The line of ``aiockpt --help`` that names the command.
 HELP = "list committed checkpoints"
 #: What ``aiockpt ls --help`` says it does.
-DESCRIPTION = None
+DESCRIPTION = (
+    "List the committed checkpoints of ROOT, one row each: step, commit time, size, the bytes "
+    "it wrote and those it reads from earlier steps, and its metrics (one JSON object each "
+    "with --json). Partial and retired step directories are counted on stderr, not listed. "
+    "A root that exists without checkpoints is not an error; one that does not exist is."
+)
 
 
 def add_arguments(p: Parser) -> None:
@@ -28,9 +35,7 @@ def run(args: argparse.Namespace) -> int:
     """``aiockpt ls``: the committed checkpoints, as a table or JSON lines."""
     root = scan(open_root(args.root, args.storage_options), args.root, heads=True)
     if not root.committed:
-        # A root that is not there is most likely a typo; an empty one is a fresh run.
-        if not root.partials and not root.catalog.storage.exists(""):
-            raise UsageError(f"{root.url} does not exist")
+        require_exists(root)  # a root that is not there is a typo; an empty one a fresh run
         print(no_checkpoints(root), file=sys.stderr)
         return 0
     out: TextIO = sys.stdout
@@ -92,6 +97,34 @@ def ls_note(root: Root) -> str:
     if partials:
         note += (
             f"; {plural(len(partials), 'partial step dir')} not listed "
-            f"({', '.join(map(str, partials))}; aiockpt prune removes them)"
+            f"({', '.join(map(str, partials))}; {partials_hint(root, partials)})"
         )
     return note
+
+
+def partials_hint(root: Root, partials: list[int]) -> str:
+    """The prune that removes ``partials``: plain ``prune`` removes those below the newest
+    commit (dead saves); one above it may be a save still being written, which only
+    ``--all-partials`` removes (see retention.collectable_partials)."""
+    step_dirs = {e.step: True for e in root.committed} | dict.fromkeys(partials, False)
+    dead = collectable_partials(step_dirs)
+    alive = [s for s in partials if s not in dead]
+    command = f"aiockpt prune {shlex.quote(root.url)}"
+    parts = []
+    if dead:
+        parts.append(f"{command} removes {', '.join(map(str, dead)) if alive else them(dead)}")
+    if alive:
+        listed = ", ".join(map(str, alive))
+        parts.append(
+            f"{listed if dead else them(alive, subject=True)} {'is' if len(alive) == 1 else 'are'} "
+            "above the newest commit and may be a save still being written: "
+            f"{command} --all-partials removes {them(alive)}{' too' if dead else ''} when none is"
+        )
+    return "; ".join(parts)
+
+
+def them(steps: list[int], *, subject: bool = False) -> str:
+    """``it`` or ``them`` (``they``, as a ``subject``) for ``steps``."""
+    if len(steps) == 1:
+        return "it"
+    return "they" if subject else "them"

@@ -21,7 +21,7 @@ from ..retention import (
     RetentionPolicy,
 )
 from .args import Parser, positive_int, positive_seconds
-from .common import Root, UsageError, open_root, require_checkpoints, scan
+from .common import Root, UsageError, open_root, require_checkpoints, require_exists, scan
 from .output import format_time, human_bytes, plural
 
 #: The line of ``aiockpt --help`` that names the command.
@@ -123,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
     (a checkpoint's manifest first, so a deletion cut short never leaves a broken step)."""
     policy = keep_policy(args)
     root = scan(open_root(args.root, args.storage_options), args.root)
+    require_exists(root)
     if args.yes and not args.force:
         refuse_if_leased(root)
     if not root.committed and not (args.all_partials and root.partials):

@@ -25,7 +25,12 @@ from .output import Progress, human_bytes, plural
 #: The line of ``aiockpt --help`` that names the command.
 HELP = "re-read and check every checksum"
 #: What ``aiockpt verify --help`` says it does.
-DESCRIPTION = None
+DESCRIPTION = (
+    "Re-read every byte of every shard of every committed checkpoint (or of STEP; latest for "
+    "the newest) and check each file's size and crc32c, each tensor's crc32c, each chunk's "
+    "block crc32cs and the manifest itself; print one line per checkpoint and one per "
+    "problem. Exit 1 when anything is corrupt or missing."
+)
 
 
 def add_arguments(p: Parser) -> None:
@@ -38,7 +43,10 @@ def add_arguments(p: Parser) -> None:
 def entry_problems(root: Root, e: Entry, progress: Progress) -> list[str]:
     """What is wrong with one committed step: its manifest, or every byte of its shards."""
     if e.manifest is None:
-        return [f"{e.dirname}/{fmt.MANIFEST}: {e.error}"]
+        path = f"{e.dirname}/{fmt.MANIFEST}"
+        # The error names the manifest by its URL; the line names it once, under the root.
+        why = (e.error or "").removeprefix(f"{root.catalog.where(path)}: ")
+        return [f"{path}: {why}"]
     problems: list[str] = []
     advance = functools.partial(progress.advance, label=f"step {e.step}")
     for shard in e.manifest.shards:
