@@ -34,6 +34,7 @@ _EXPORTS = {
     "RootLockedError": ".errors",
     "StorageError": ".errors",
     "UnsupportedValueError": ".errors",
+    "load_safetensors": "._trainer.hfload",
 }
 
 __all__ = [
@@ -59,10 +60,12 @@ __all__ = [
     "StorageError",
     "SyncSaveHandle",
     "UnsupportedValueError",
+    "load_safetensors",
 ]
 
 if TYPE_CHECKING:
     from ._core.protocol import CheckpointInfo
+    from ._trainer.hfload import load_safetensors
     from ._trainer.ledger import SaveHandle
     from ._trainer.manager import AsyncCheckpointManager
     from ._trainer.sync import CheckpointManager, SyncSaveHandle

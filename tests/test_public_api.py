@@ -65,3 +65,14 @@ def undocumented(qualname: str, obj: object) -> list[str]:
 def test_every_public_name_has_a_docstring(module_name):
     missing = [m for q, obj in public_names(module_name) for m in undocumented(q, obj)]
     assert missing == []
+
+
+def test_the_package_exports_what_it_lists():
+    """``aiockpt``'s lazy exports and its ``__all__`` name the same things, each importable:
+    the classes, the errors, and ``load_safetensors``, a coroutine function."""
+    import aiockpt
+
+    assert sorted(aiockpt._EXPORTS) == sorted(aiockpt.__all__)
+    for name in aiockpt.__all__:
+        assert getattr(aiockpt, name) is not None, name
+    assert inspect.iscoroutinefunction(aiockpt.load_safetensors)

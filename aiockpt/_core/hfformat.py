@@ -11,6 +11,9 @@ no checksums: what can be checked is checked here, before a byte of tensor data 
 - every entry's dtype (from aiockpt's list), shape (non-negative ints) and byte range (inside
   the data section, exactly ``prod(shape) × itemsize`` bytes), and that no two ranges overlap
   (:func:`aiockpt._core.format.parse_header` does all of it);
+- that the product of every shape's dims, taken from the first dim on, never leaves int64 (as
+  torch counts a tensor's elements, and as the safetensors library checks it): a shape such as
+  ``[2**40, 2**40, 0]`` holds no bytes, yet no tensor can have it;
 - an index's ``weight_map``: str -> a plain file name in the folder (no ``/``, ``\\``,
   ``..``), and every tensor it names is in its file.
 
@@ -33,6 +36,7 @@ __all__ = [
     "MAX_HEADER",
     "SINGLE",
     "STEntry",
+    "check_counts",
     "header_end",
     "parse_file_header",
     "parse_index",
@@ -45,6 +49,9 @@ SINGLE = "model.safetensors"
 MAX_HEADER = 100_000_000
 #: The largest index accepted (a 100k-tensor index is about 10 MB).
 MAX_INDEX = 64 * 1024 * 1024
+
+#: The largest element count torch can hold (its sizes and counts are int64).
+MAX_NUMEL = 2**63 - 1
 
 #: One tensor of a source: (file, safetensors dtype, shape, start, end), offsets absolute.
 STEntry = tuple[str, str, tuple[int, ...], int, int]
@@ -77,14 +84,44 @@ class FileHeader:
 
 def parse_file_header(head: bytes, file_size: int, *, path: str) -> FileHeader:
     """Check a whole header (``head``: its length and JSON) of a file of ``file_size`` bytes."""
+    n = struct.unpack("<Q", head[:8])[0] if len(head) >= 8 else 0
+    try:
+        raw = json.loads(head[8 : 8 + n])
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raw = None  # parse_header says what is wrong with it
+    if isinstance(raw, dict):
+        check_counts(raw, path=path)
     data_start, specs = fmt.parse_header(head, file_size, path=path)
-    raw = json.loads(head[8:data_start])  # parse_header checked it is a JSON object
+    assert isinstance(raw, dict)  # parse_header checked it is a JSON object
     meta = raw.get("__metadata__") or {}
     tensors = {
         name: (s.dtype, s.shape, data_start + s.start, data_start + s.end)
         for name, s in specs.items()
     }
     return FileHeader(data_start, tensors, dict(meta))
+
+
+def check_counts(header: Mapping[str, Any], *, path: str) -> None:
+    """Refuse an entry whose shape's running product (dims multiplied from the first on, as
+    torch counts elements) passes :data:`MAX_NUMEL`, whether or not a later dim is 0. Only
+    shapes that are lists of non-negative ints are looked at: :func:`parse_header` refuses
+    the others."""
+    for name, entry in header.items():
+        shape = entry.get("shape") if name != "__metadata__" and isinstance(entry, dict) else None
+        if not isinstance(shape, list) or len(shape) > fmt.MAX_NDIM:
+            continue
+        count = 1
+        for d in shape:
+            if type(d) is not int or d < 0:
+                break
+            count *= d
+            if count > MAX_NUMEL:
+                raise CorruptCheckpointError(
+                    f"{path}: tensor {name!r}: shape {shape} counts more elements than an "
+                    "int64 holds",
+                    path=path,
+                    key=name,
+                )
 
 
 def parse_index(data: bytes, *, path: str) -> tuple[dict[str, str], dict[str, Any]]:

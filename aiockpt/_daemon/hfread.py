@@ -1,6 +1,9 @@
 """Hugging Face safetensors sources read for a load (``load_safetensors``): a ``.safetensors``
-file, or a folder holding ``model.safetensors`` or ``model.safetensors.index.json`` and its
-shards, on any storage aiockpt opens (a local path, an fsspec URL, a plugin's).
+file, or a folder holding ``model.safetensors``, or ``model.safetensors.index.json`` and its
+shards, or shards with no index (every ``*.safetensors`` file of the folder), on any storage
+aiockpt opens (a local path, an fsspec URL, a plugin's). A local source is read where it
+lies, through symbolic links (the Hugging Face hub cache's snapshots are links to its blobs),
+but only ever from regular files (:class:`SourceFiles`).
 
 :func:`describe` reads and checks every header (see :mod:`aiockpt._core.hfformat`) and says
 where each tensor lies; the trainer then asks (:func:`read`) for what it needs: whole
@@ -20,6 +23,7 @@ import errno
 import math
 import mmap
 import os
+import stat
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -32,10 +36,15 @@ from .._core.dtable import ChunkRecord
 from .._core.dtypes import DTYPE_SIZES
 from .._core.protocol import LoadReply, SafetensorsInfo, TensorAt
 from .._core.reshard import OUT_ALIGN, Assembler
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StagingMemoryError
-from ..storage import Storage, open_storage
+from ..errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    StagingMemoryError,
+    StorageError,
+)
+from ..storage import LocalStorage, Storage, open_storage
 
-__all__ = ["Source", "describe", "read"]
+__all__ = ["Source", "SourceFiles", "describe", "read"]
 
 #: The first read of a header: enough for a few hundred tensors.
 HEAD_PEEK = 64 * 1024
@@ -64,7 +73,7 @@ class Source:
             self.folder, self.single = (folder or "/") if sep else ".", name
         else:
             self.folder, self.single = self.url, None
-        self.storage: Storage = open_storage(self.folder, options)
+        self.storage: Storage = open_source(self.folder, options)
 
     def where(self, name: str) -> str:
         """The URL of a file of the source."""
@@ -88,9 +97,16 @@ class Source:
             return weight_map, sorted(set(weight_map.values())), meta
         if self.storage.exists(hf.SINGLE):
             return None, [hf.SINGLE], {}
+        shards = [
+            n
+            for n in self.storage.list_dir("")
+            if n.endswith(".safetensors") and not n.startswith(".") and hf.plain_name(n)
+        ]
+        if shards:
+            return None, shards, {}
         raise CheckpointNotFoundError(
             f"{self.url}: no safetensors here (neither a .safetensors file, nor a folder "
-            f"holding {hf.SINGLE} or {hf.INDEX})"
+            f"holding {hf.SINGLE}, {hf.INDEX} or other .safetensors files)"
         )
 
     def header(self, name: str) -> hf.FileHeader:
@@ -109,6 +125,46 @@ class Source:
         self.storage.close()
 
 
+class SourceFiles(LocalStorage):
+    """The local folder of a source the user named, read where it lies: a symbolic link is
+    followed (the hub cache's ``snapshots/<rev>/<file>`` are relative links to
+    ``../../blobs/<hash>``), but only to a regular file. What a link leads to is looked at
+    before it is opened, and what was opened is checked again with ``fstat`` before a byte
+    is read: a FIFO, a socket, a device or a directory is an :class:`UnsafeFileError`. Read,
+    never written: the roots aiockpt writes and deletes in keep :class:`LocalStorage`'s rule
+    that nothing under them is reached through a link."""
+
+    def _open_regular(self, op: str, path: str) -> tuple[int, os.stat_result]:
+        full = os.path.join(self.root, *self._names(path))  # ".." refused
+        try:
+            mode = os.stat(full).st_mode
+            if not stat.S_ISREG(mode):
+                raise self._not_regular(op, path, mode)
+            fd = os.open(full, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as e:
+            if isinstance(e, StorageError):
+                raise
+            raise self._error(op, path, e) from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):  # replaced since it was looked at
+                raise self._not_regular(op, path, st.st_mode)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, st
+
+
+def open_source(folder: str, options: dict[str, Any]) -> Storage:
+    """The storage that reads the source's ``folder``: :class:`SourceFiles` where it is a
+    local path, what serves its URL otherwise."""
+    storage = open_storage(folder, options)
+    if type(storage) is LocalStorage:  # not a plugin's, nor a test's subclass
+        storage.close()
+        return SourceFiles(storage.root, url=storage.url)
+    return storage
+
+
 def describe(source: Source) -> SafetensorsInfo:
     """Every tensor of ``source``: where it lies, its dtype and shape, every header checked."""
     weight_map, files, meta = source.files()
@@ -118,6 +174,14 @@ def describe(source: Source) -> SafetensorsInfo:
         if weight_map is None:
             meta = dict(head.metadata)
         for key, (dtype, shape, start, end) in head.tensors.items():
+            if weight_map is None and key in tensors:  # shards with no index to choose
+                path = source.where(tensors[key][0])
+                raise CorruptCheckpointError(
+                    f"{source.url}: tensor {key!r} is in two shards, {path} and "
+                    f"{source.where(name)}, and no {hf.INDEX} says which to load",
+                    path=source.where(name),
+                    key=key,
+                )
             if weight_map is None or weight_map.get(key) == name:
                 tensors[key] = (name, dtype, shape, start, end)
     if weight_map is not None:

@@ -37,7 +37,7 @@ from .load.views import map_loaded, views
 from .staging import copy_pairs
 from .state import ST_TO_TORCH, _dtensor_type
 
-__all__ = ["SafetensorsLoading", "load_safetensors"]
+__all__ = ["SafetensorsLoading", "load_safetensors", "load_with"]
 
 Rename = Callable[[str], "str | None"]
 #: The targets' bytes are read from the segment this much at a time, READERS at once.
@@ -187,6 +187,39 @@ def plan_reads(
 
 
 async def load_safetensors(
+    source: str | os.PathLike[str],
+    into: Any = None,
+    *,
+    rename: Rename | None = None,
+    dtype: torch.dtype | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Any:
+    """Load Hugging Face safetensors weights with no manager and no checkpoint root: as
+    :meth:`AsyncCheckpointManager.load_safetensors` does, through a daemon started for this
+    call alone and stopped before it returns. ``source`` is a ``.safetensors`` file, a folder
+    holding ``model.safetensors``, ``model.safetensors.index.json`` and its shards, or other
+    ``.safetensors`` shards, or a URL of any of them; ``storage_options`` go to the storage
+    that reads a URL (a local path takes none). Under ``torch.distributed`` every rank of the
+    default group calls it, as every rank opens a manager. A coroutine function: ``await``
+    it, or ``asyncio.run(aiockpt.load_safetensors(...))`` from blocking code. See
+    docs/safetensors.md."""
+    from .manager import AsyncCheckpointManager  # it imports this module
+
+    check_args(rename, dtype)
+    url, _ = source_url(source, "", {})
+    protocol, _ = split_protocol(url)
+    options = dict(storage_options or {})
+    if protocol == "file" and options:
+        raise ValueError(f"a local source takes no storage_options (got {sorted(options)})")
+    folder, sep, name = url.rstrip("/").rpartition("/")
+    root = (folder or "/") if sep and name.endswith(".safetensors") else url
+    # A manager that writes nothing, on the source's own folder: the daemon it starts
+    # creates nothing there, and the source, of the root's protocol, gets the options.
+    async with AsyncCheckpointManager(root, storage_options=options, read_only=True) as mgr:
+        return await mgr.load_safetensors(url, into, rename=rename, dtype=dtype)
+
+
+async def load_with(
     mgr: Any,
     source: Any,
     into: Any,
@@ -351,4 +384,4 @@ class SafetensorsLoading:
         ``into`` unchanged. See docs/safetensors.md."""
         mgr: Any = self
         mgr._check_open()
-        return await load_safetensors(mgr, source, into, rename, dtype)
+        return await load_with(mgr, source, into, rename, dtype)
