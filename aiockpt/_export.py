@@ -8,7 +8,9 @@ is rank 0's, checked against its record's crc32c. Every dtype and shape is known
 manifest, so each file's header is written first and then each tensor's bytes as they are
 assembled, one tensor at a time: memory is bounded by the largest tensor, not the checkpoint.
 Each output is written under a temporary name and renamed into place, so a failed export
-leaves nothing.
+leaves nothing. A tensor saved under several names (tied weights) is written once, under its
+first name, as ``save_pretrained`` writes it; the file's metadata maps each other name to it,
+as ``safetensors.torch.save_model`` records the names it drops.
 """
 
 from __future__ import annotations
@@ -118,6 +120,8 @@ class Item:
     dtensor: DTensorRecord | None = None
     #: The dtype written, when it is cast (``--dtype``); None: as saved.
     to: str | None = None
+    #: The other names of a tied tensor (saved under several key paths), not written.
+    tied: tuple[str, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -150,6 +154,9 @@ def select(m: fmt.Manifest, prefix: str | None, *, where: str) -> list[Item]:
     """The tensors of rank 0's tree, in tree order, named by their key path joined by "/"
     (with ``prefix``: only those under it, named by the rest of their path).
 
+    A tensor under several key paths (tied weights) is one item, of its first name; its
+    other names are the item's ``tied``.
+
     Raises :class:`ExportError` when nothing matches, when two tensors would get one name,
     or, for a checkpoint of several ranks, when a plain tensor is not the same on every rank
     (its "whole" would be a guess); :class:`CorruptCheckpointError` for a malformed tree."""
@@ -159,6 +166,7 @@ def select(m: fmt.Manifest, prefix: str | None, *, where: str) -> list[Item]:
     head = f"{prefix.strip('/')}/" if prefix is not None else ""
     dtensors = set(m.dtensors)
     items: dict[str, Item] = {}
+    first: dict[tuple[str, str], str] = {}  # each tensor's first name, by (tag, body)
     for path, tag, body, _ in walk(tree, dtensor_names=dtensors):
         if tag not in (TENSOR, DTENSOR) or not path.startswith(head):
             continue
@@ -168,7 +176,10 @@ def select(m: fmt.Manifest, prefix: str | None, *, where: str) -> list[Item]:
                 f"cannot name a tensor {name!r} in safetensors (empty, reserved, "
                 "or taken by another tensor)"
             )
-        if tag == TENSOR:
+        kept = first.setdefault((tag, body), name)
+        if kept != name:  # tied: safetensors holds no two names for one tensor
+            items[kept] = dataclasses.replace(items[kept], tied=(*items[kept].tied, name))
+        elif tag == TENSOR:
             r = records[body]
             items[name] = Item(name, body, r.dtype, r.shape, record=r)
         else:
@@ -289,12 +300,14 @@ class Source:
 @dataclass(frozen=True, slots=True)
 class Exported:
     """What an export wrote: its safetensors files and index (paths in the final output, the
-    index None for a single file), how many tensors, and their bytes."""
+    index None for a single file), how many tensors, their bytes, and the other names of
+    each tied tensor (by the name written)."""
 
     files: list[str]
     index: str | None
     tensors: int
     nbytes: int
+    tied: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
 
 def export(
@@ -347,7 +360,8 @@ def export(
         except BaseException:
             _remove(tmp)
             raise
-    return Exported(names, index, len(items), total)
+    tied = {i.name: i.tied for i in items if i.tied}
+    return Exported(names, index, len(items), total, tied)
 
 
 def _check_target(target: str, *, directory: bool) -> None:
@@ -446,8 +460,10 @@ def _write_file(
         n = item.out_nbytes
         specs.append(fmt.TensorSpec(item.name, item.out_dtype, item.shape, pos, pos + n))
         pos += n
+    # Each tied name, to the name written (as safetensors.torch.save_model records them).
+    metadata = {alias: i.name for i in items for alias in i.tied} | HEADER_METADATA
     with open(path, "wb") as f:
-        f.write(fmt.build_header(specs, HEADER_METADATA))
+        f.write(fmt.build_header(specs, metadata))
         for item in order:
             with memoryview(buf)[: item.nbytes] as view:
                 source.fill(item, view)

@@ -14,6 +14,7 @@ from pathlib import Path
 import anyio
 import crc32c
 import pytest
+import safetensors.torch
 import torch
 import torch.distributed as dist
 from _export_worker import model, save
@@ -22,6 +23,7 @@ from _support.roots import flip_byte
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from aiockpt import AsyncCheckpointManager
 from aiockpt._core import format as fmt
 from aiockpt._core.chunks import Chunk
 from aiockpt._core.dtable import ChunkRecord, block_crcs
@@ -196,6 +198,90 @@ def test_max_shard_size_that_fits_everything_writes_one_file_in_the_directory(tw
     assert r.returncode == 0, r.stderr
     assert os.listdir(out) == ["model.safetensors"]
     model().load_state_dict(load_file(out / "model.safetensors"), strict=True)
+
+
+def tied_model() -> torch.nn.Module:
+    """An embedding and an output layer that share one weight, as language models tie them,
+    with an untied layer between them."""
+    emb = torch.nn.Embedding(10, 4)
+    head = torch.nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    return torch.nn.Sequential(emb, torch.nn.Linear(4, 4), head)
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory) -> tuple[str, dict[str, torch.Tensor]]:
+    """Step 1 of a run of a model with tied weights, and the model's state dict."""
+    root = str(tmp_path_factory.mktemp("tied") / "run")
+    torch.manual_seed(0)
+    net = tied_model()
+
+    async def save_it() -> None:
+        async with AsyncCheckpointManager(root) as mgr:
+            await (await mgr.save(1, {"model": net, "step": 1}))
+
+    anyio.run(save_it)
+    return root, {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+
+def test_a_tied_tensor_is_written_once_and_its_other_names_are_said(tied, tmp_path):
+    root, state = tied
+    out = tmp_path / "model.safetensors"
+    r = aiockpt("export", root, str(out), "--prefix", "model")
+    assert r.returncode == 0, r.stderr
+    # 160 B of embedding and 80 B of the middle layer: the head's 160 B are not written again.
+    assert r.stdout.splitlines() == [
+        f"wrote 3 tensors (240 B) to {out}",
+        "tied: 2.weight is 0.weight (written once, as 0.weight)",
+    ]
+    with safe_open(str(out), "pt") as f:
+        assert sorted(f.keys()) == ["0.weight", "1.bias", "1.weight"]
+        # As safetensors.torch.save_model records the names it drops: {dropped: kept}.
+        assert f.metadata() == {"format": "pt", "2.weight": "0.weight"}
+    header = 8 + int.from_bytes(out.read_bytes()[:8], "little")
+    assert out.stat().st_size == header + 240
+
+    # safetensors' own loader of a model ties the names back and loads it strictly ...
+    net = tied_model()
+    missing, unexpected = safetensors.torch.load_model(net, str(out), strict=True)
+    assert (missing, unexpected) == (set(), [])
+    for name, value in net.state_dict().items():
+        assert torch.equal(value, state[name]), name
+    assert net[0].weight is net[2].weight
+    # ... and a plain load_state_dict misses only the tied name, whose parameter it loaded.
+    net = tied_model()
+    result = net.load_state_dict(load_file(out), strict=False)
+    assert (result.missing_keys, result.unexpected_keys) == (["2.weight"], [])
+    assert torch.equal(net[2].weight, state["2.weight"])
+
+    r = aiockpt("export", root, str(tmp_path / "all.safetensors"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[1] == (
+        "tied: model/2.weight is model/0.weight (written once, as model/0.weight)"
+    )
+    with safe_open(str(tmp_path / "all.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == ["model/0.weight", "model/1.bias", "model/1.weight"]
+        assert f.metadata()["model/2.weight"] == "model/0.weight"
+
+
+def test_a_sharded_export_maps_only_the_names_it_wrote(tied, tmp_path):
+    root, state = tied
+    out = tmp_path / "hf"
+    r = aiockpt("export", root, str(out), "--prefix", "model", "--max-shard-size", "100B")
+    assert r.returncode == 0, r.stderr
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    # As save_pretrained writes it: the tied name is left out of the files and the map.
+    assert index["metadata"] == {"total_size": 240}
+    assert sorted(index["weight_map"]) == ["0.weight", "1.bias", "1.weight"]
+    with safe_open(str(out / index["weight_map"]["0.weight"]), "pt") as f:
+        assert f.metadata() == {"format": "pt", "2.weight": "0.weight"}
+    with safe_open(str(out / index["weight_map"]["1.weight"]), "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    loaded: dict[str, torch.Tensor] = {}
+    for name in sorted(set(index["weight_map"].values())):
+        loaded |= load_file(out / name)
+    assert sorted(loaded) == ["0.weight", "1.bias", "1.weight"]
+    assert all(torch.equal(loaded[k], state[k]) for k in loaded)
 
 
 def test_a_version_1_checkpoint_exports(tmp_path):

@@ -95,4 +95,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"wrote {plural(done.tensors, 'tensor')} ({human_bytes(done.nbytes)}){files} to {args.out}"
     )
+    for name, others in done.tied.items():
+        verb = "is" if len(others) == 1 else "are"
+        print(f"tied: {', '.join(others)} {verb} {name} (written once, as {name})")
     return 0
