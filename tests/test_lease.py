@@ -185,6 +185,25 @@ def test_a_killed_writers_root_is_free_after_its_ttl(tmp_path):
     assert anyio.run(open_root) == [1]
 
 
+async def test_a_second_writer_in_the_holders_own_process_is_told_so(tmp_path):
+    root = str(tmp_path / "run")
+    async with AsyncCheckpointManager(root) as first:
+        await (await first.save(1, state(1)))
+        with anyio.fail_after(60), pytest.raises(RootLockedError) as info:
+            async with AsyncCheckpointManager(root):
+                pass
+        message = str(info.value)
+        assert f"{root} is leased by this process (pid {os.getpid()}" in message
+        assert "another writer" not in message
+        assert "a manager opened on it earlier in this process is still open" in message
+        assert "takeover=True" in message
+        assert "read_only=True" in message
+        assert info.value.holder["pid"] == os.getpid()
+        await (await first.save(2, state(2)))  # the holder is untouched
+    async with AsyncCheckpointManager(root) as second:  # closed: the root is free
+        assert await second.steps() == [1, 2]
+
+
 async def test_a_respawned_daemon_keeps_its_managers_lease(tmp_path):
     root = str(tmp_path / "run")
     async with AsyncCheckpointManager(root) as mgr:

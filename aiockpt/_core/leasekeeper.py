@@ -113,7 +113,8 @@ class LeaseKeeper:
         if holder is not None and verdict == GONE:
             taken_from = f"lease of {holder.describe()}: {why}"
         elif (holder is not None or cur.problem is not None) and not self.spec.takeover:
-            raise _locked(self.storage.url, holder, cur.problem, why)
+            own = holder is not None and self._own_process(me, holder)
+            raise _locked(self.storage.url, holder, cur.problem, why, own=own)
         elif holder is not None:
             taken_from = f"forced takeover from {holder.describe()}"
         elif cur.problem is not None:
@@ -124,6 +125,17 @@ class LeaseKeeper:
             taken_from = None
         self._take(me, cur.generation + 1, now)
         return LeaseGrant(cur.generation + 1, self.guaranteed, taken_from)
+
+    def _own_process(self, me: Claimant, holder: LeaseRecord) -> bool:
+        """Whether ``holder`` is this writer's own training process (another manager of it,
+        still open): its pid, started at the same time, on this host, boot and pid namespace."""
+        return (
+            self.trainer_pid != 0
+            and holder.trainer_pid == self.trainer_pid
+            and me.boot_id != ""
+            and (holder.host, holder.boot_id, holder.pid_ns) == (me.host, me.boot_id, me.pid_ns)
+            and holder.trainer_start in (0, process_start(self.trainer_pid))
+        )
 
     def _resume(self, rec: LeaseRecord) -> LeaseGrant:
         """Our own lease: a daemon of this manager died and this one replaces it."""
@@ -299,8 +311,18 @@ class LeaseKeeper:
 
 
 def _locked(
-    url: str, holder: LeaseRecord | None, problem: str | None, why: str = ""
+    url: str, holder: LeaseRecord | None, problem: str | None, why: str = "", *, own: bool = False
 ) -> RootLockedError:
+    if holder is not None and own:
+        err = RootLockedError(
+            f"{url} is leased by this process (pid {holder.trainer_pid}): a manager opened on "
+            f"it earlier in this process is still open (not closed?): {holder.describe()}. "
+            "Close that manager, or save through it, before opening a second writer on this "
+            "root; pass takeover=True if it can no longer be reached (it then commits nothing "
+            "more); read_only=True opens a reader beside it"
+        )
+        err.holder = holder.holder_info()
+        return err
     if holder is not None:
         note = f" ({why})" if why else ""
         err = RootLockedError(
