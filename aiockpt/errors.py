@@ -201,6 +201,12 @@ class LeaseLostError(CheckpointError, RuntimeError):
     could be renewed: it commits and deletes nothing more."""
 
 
+class TierMismatchError(CheckpointError, ValueError):
+    """A local tier that cannot serve this manager: its directory belongs to another root,
+    or the ranks of one host do not see one directory (each rank given its own, or two
+    machines given one host id). Raised by ``open()`` on every rank; nothing was written."""
+
+
 class ManagerClosedError(CheckpointError, RuntimeError):
     """The manager is not open: used before ``async with`` or after it closed."""
 

@@ -14,13 +14,15 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["HOST_ID_ENV", "LocalTier", "host_id", "leads_host"]
+__all__ = ["HOST_ID_ENV", "LocalTier", "host_id", "leads_host", "machine_id"]
 
 #: The environment variable that names this host, where set (tests simulate hosts with it).
 HOST_ID_ENV = "AIOCKPT_HOST_ID"
 
 #: Where Linux keeps the id of the current boot: a host that rebooted is a new host.
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
+#: Where systemd (and dbus) keep the id of the installation.
+_MACHINE_IDS = ("/etc/machine-id", "/var/lib/dbus/machine-id")
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -96,10 +98,26 @@ def host_id() -> str:
     env = os.environ.get(HOST_ID_ENV)
     if env:
         return env
-    try:
-        with open(_BOOT_ID) as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
+    boot = _read_first((_BOOT_ID,))
     name = socket.gethostname()
     return f"{name}/{boot}" if boot else name
+
+
+def machine_id() -> str:
+    """What tells this machine from another, whatever ``$AIOCKPT_HOST_ID`` says: the
+    installation's machine id and the current boot's id (two processes that share a disk
+    see the same ones). Ranks that give the same host id must give the same machine id."""
+    parts = [_read_first(_MACHINE_IDS), _read_first((_BOOT_ID,))]
+    return "/".join(parts)
+
+
+def _read_first(paths: tuple[str, ...]) -> str:
+    for path in paths:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text:
+            return text
+    return ""

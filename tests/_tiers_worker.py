@@ -29,7 +29,8 @@ def manager(rank: int, root: str, args: dict, events: list | None = None) -> Any
     host = args["hosts"][rank]
     os.environ["AIOCKPT_HOST_ID"] = host
     keep, replicas = args.get("keep", 2), args.get("replicas", 0)
-    tier = LocalTier(args["local"][host], keep=keep, replicas=replicas)
+    path = args["tier_of_rank"][rank] if "tier_of_rank" in args else args["local"][host]
+    tier = LocalTier(path, keep=keep, replicas=replicas)
     return AsyncCheckpointManager(
         root,
         dist_timeout=args.get("dist_timeout", 60),

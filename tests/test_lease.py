@@ -18,10 +18,14 @@ from _support.ranks import TESTS, run_ranks
 
 from aiockpt import AsyncCheckpointManager, CheckpointManager, LatestN
 from aiockpt._core.catalog import Catalog
+from aiockpt._core.identity import KEY_FILE, ROOT_FILE
 from aiockpt._core.lease import LEASE_DIR, LeaseRecord, lease_path, read_current
 from aiockpt.cli import main as cli_main
 from aiockpt.errors import DaemonDiedError, LeaseLostError, ReadOnlyError, RootLockedError
 from aiockpt.storage import open_storage
+
+#: What a root holds beside its steps and lease from its first writable open on: its id.
+IDENTITY = [KEY_FILE, ROOT_FILE]
 
 pytestmark = pytest.mark.anyio
 
@@ -156,7 +160,12 @@ def test_a_paused_writer_resumed_after_a_takeover_commits_and_deletes_nothing(tm
         first.signal(signal.SIGCONT)
         answer = first.ask("save 11")
         assert answer["error"] == "LeaseLostError", answer
-        assert sorted(os.listdir(root)) == [LEASE_DIR, "step_000000000001", "step_000000000010"]
+        assert sorted(os.listdir(root)) == [
+            LEASE_DIR,
+            *IDENTITY,
+            "step_000000000001",
+            "step_000000000010",
+        ]
         assert os.listdir(os.path.join(root, "step_000000000001")) != []
     finally:
         first.signal(signal.SIGCONT)
@@ -321,7 +330,7 @@ async def test_prune_refuses_a_root_a_live_writer_holds_unless_forced(tmp_path, 
         assert cli_main(["prune", root, "--keep-last", "2", "--yes", "--force"]) == 0
         assert await writer.steps() == [2, 3]
     assert cli_main(["prune", root, "--keep-last", "1", "--yes"]) == 0  # released: free
-    assert sorted(os.listdir(root)) == [LEASE_DIR, "step_000000000003"]
+    assert sorted(os.listdir(root)) == [LEASE_DIR, *IDENTITY, "step_000000000003"]
 
 
 def test_every_rank_of_a_job_refuses_a_root_another_writer_holds(tmp_path):
@@ -332,7 +341,7 @@ def test_every_rank_of_a_job_refuses_a_root_another_writer_holds(tmp_path):
     for r in results:
         assert r["error"] == "RootLockedError", r
         assert "elsewhere pid 7" in r["message"]
-    assert not [n for n in os.listdir(root) if n != LEASE_DIR]
+    assert not [n for n in os.listdir(root) if n not in (LEASE_DIR, *IDENTITY)]
 
 
 def test_a_job_taken_over_fails_its_next_save_on_every_rank(tmp_path):

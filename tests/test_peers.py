@@ -17,8 +17,9 @@ import torch.distributed as dist
 
 from aiockpt import AsyncCheckpointManager
 from aiockpt._core.format import step_dirname
+from aiockpt._core.identity import claim_root, read_peer_key, read_root_id
 from aiockpt._daemon import peerview
-from aiockpt._daemon.peers import ADDR_ENV, Peers
+from aiockpt._daemon.peers import ADDR_ENV, Credentials, Peers
 from aiockpt._daemon.peerview import PeerView
 from aiockpt._trainer.storeproxy import TorchStoreOps
 from aiockpt.errors import StorageError
@@ -48,6 +49,27 @@ async def saved(tier: Path) -> str:
     return shard
 
 
+def credentials(root: Path) -> Credentials:
+    """The peer key and id of a root made at ``root`` (as its first writable open makes them)."""
+    storage = LocalStorage(str(root))
+    os.makedirs(storage.root, exist_ok=True)
+    claim_root(storage)
+
+    def get() -> tuple[bytes, str]:
+        rid = read_root_id(storage)
+        assert rid is not None
+        return read_peer_key(storage), rid
+
+    return get
+
+
+def serving(
+    a: LocalStorage, ops: TorchStoreOps, said: list, creds: Credentials, timeout: float = 30.0
+) -> Peers:
+    """Host a's rank 1, serving its tier; the partner of rank 0, whose copies it takes."""
+    return Peers(a, ops, 1, [], timeout, lambda *s: said.append(s), creds, [0])
+
+
 def pair(
     a: LocalStorage, b: LocalStorage, said: list, timeout: float = 30.0
 ) -> tuple[Peers, Peers]:
@@ -58,8 +80,9 @@ def pair(
     def say(name: str, step: int | None, detail: str) -> None:
         said.append((name, step, detail))
 
-    server = Peers(a, ops, 1, [], timeout, say)
-    client = Peers(b, ops, 0, [1], timeout, say)
+    creds = credentials(Path(a.root).parent / "root")
+    server = Peers(a, ops, 1, [], timeout, say, creds, [0])
+    client = Peers(b, ops, 0, [1], timeout, say, creds, [1])
     return server, client
 
 
@@ -139,8 +162,8 @@ async def test_a_partner_lost_mid_read_is_a_storage_error(tmp_path, monkeypatch)
             view.read_range(path, 0, size)  # the header came, then the partner hung up
         server.server.shutdown()  # the partner's daemon gone: its idle connections with it
         server.server.server_close()
-        for sock in [s for socks in view._idle.values() for s in socks]:
-            sock.shutdown(socket.SHUT_RDWR)
+        for chan in [c for chans in view._idle.values() for c in chans]:
+            chan.sock.shutdown(socket.SHUT_RDWR)
         with pytest.raises(StorageError, match="rank 1"):
             view.read_range(path, 0, 16)
         with pytest.raises(StorageError, match="rank 1"):
@@ -183,17 +206,18 @@ async def test_a_partner_restarted_is_read_on_a_new_connection(tmp_path, monkeyp
     os.makedirs(b.root)
     said: list = []
     ops = TorchStoreOps(dist.HashStore())
-    server = Peers(a, ops, 1, [], 30.0, lambda *s: said.append(s))
-    client = Peers(b, ops, 0, [1], 30.0, lambda *s: said.append(s))
+    creds = credentials(tmp_path / "root")
+    server = serving(a, ops, said, creds)
+    client = Peers(b, ops, 0, [1], 30.0, lambda *s: said.append(s), creds, [1])
     view = view_of(client, said)
     manifest = f"{step_dirname(3)}/manifest.json"
     want = (tmp_path / "a" / manifest).read_bytes()[:64]
     try:
         assert view.read_range(manifest, 0, 64) == want
         server.close()  # host a's daemon restarts: its connections end, its address changes
-        for sock in [s for socks in view._idle.values() for s in socks]:
-            sock.shutdown(socket.SHUT_RDWR)
-        server = Peers(a, ops, 1, [], 30.0, lambda *s: said.append(s))
+        for chan in [c for chans in view._idle.values() for c in chans]:
+            chan.sock.shutdown(socket.SHUT_RDWR)
+        server = serving(a, ops, said, creds)
         assert view.read_range(manifest, 0, 64) == want
     finally:
         view.close()

@@ -18,7 +18,7 @@ from aiockpt import AsyncCheckpointManager, CheckpointManager, LatestN, LocalTie
 from aiockpt._core.catalog import Catalog
 from aiockpt._core.format import step_dirname
 from aiockpt.cli import main as cli_main
-from aiockpt.errors import CheckpointError
+from aiockpt.errors import CheckpointError, TierMismatchError
 from aiockpt.storage import open_storage
 
 pytestmark = pytest.mark.anyio
@@ -328,7 +328,7 @@ def test_a_host_replaced_resumes_from_its_partners_replicas(tmp_path):
     ]
     assert [r["tiers"] for r in resumed] == [["local"], ["local"], ["peer"], ["peer"]]
     assert committed(tmp_path / "local-c") == []
-    assert os.listdir(tmp_path / "local-c") == []
+    assert os.listdir(tmp_path / "local-c") == ["_tier.json"]  # its tie to the root alone
 
 
 def test_a_corrupt_or_lost_replica_fails_the_load_on_every_rank(tmp_path):
@@ -465,3 +465,84 @@ def test_every_hosts_tier_loses_its_partial_steps_at_open(tmp_path):
     for host in ("a", "b"):
         assert not (tmp_path / f"local-{host}" / step_dirname(3)).exists(), host
         assert committed(tmp_path / f"local-{host}") == [6, 7]
+
+
+# ------------------------------------------------------------------ a tier belongs to one root
+
+
+async def test_two_roots_sharing_a_tier_path_are_kept_apart(tmp_path):
+    """Run B, its root new, opens run A's tier directory: refused, naming both roots, before
+    anything is listed, loaded or pruned; run A, reopened, has its steps as they were."""
+    tier = LocalTier(tmp_path / "nvme", keep=2)
+    root_a, root_b = tmp_path / "a", tmp_path / "b"
+    async with AsyncCheckpointManager(root_a, local=tier, persist_every=5) as mgr:
+        for step in (1, 2, 3):
+            await (await mgr.save(step, state(step)))
+        id_a = mgr.root_id
+    with pytest.raises(TierMismatchError) as err:
+        async with AsyncCheckpointManager(root_b, local=tier, persist_every=5) as mgr:
+            pass
+    message = str(err.value)
+    assert str(root_a) in message
+    assert str(root_b) in message
+    assert id_a is not None
+    assert id_a in message
+    assert committed(tmp_path / "nvme") == [2, 3]
+    async with AsyncCheckpointManager(root_a, local=tier, persist_every=5) as mgr:
+        assert await mgr.steps() == [2, 3]
+        assert same(await mgr.load(), state(3))
+
+
+async def test_a_tier_is_tied_to_its_root_by_id_not_by_spelling(tmp_path, monkeypatch):
+    real = tmp_path / "gpfs" / "run"
+    (tmp_path / "link").symlink_to(tmp_path / "gpfs")
+    tier = LocalTier(tmp_path / "nvme", keep=2)
+    async with AsyncCheckpointManager(real, local=tier) as mgr:
+        await (await mgr.save(1, state(1)))
+    monkeypatch.chdir(tmp_path)
+    for spelling in (f"file://{real}", str(tmp_path / "link" / "run") + "/", "gpfs/run"):
+        async with AsyncCheckpointManager(spelling, local=tier) as mgr:
+            assert same(await mgr.load(), state(1))
+
+
+async def test_a_tier_from_before_ties_is_taken_by_the_first_root_to_open_it(tmp_path):
+    """A root and tier as releases before identities left them (no _root.json, _peer.key,
+    _tier.json): they open and load; the tier is then tied to that root, said by an event."""
+    root, nvme = tmp_path / "root", tmp_path / "nvme"
+    tier = LocalTier(nvme, keep=2)
+    async with AsyncCheckpointManager(root, local=tier, persist_every=2) as mgr:
+        for step in (1, 2, 3):
+            await (await mgr.save(step, state(step)))
+    for old in (root / "_root.json", root / "_peer.key", nvme / "_tier.json"):
+        old.unlink()
+    events: list = []
+    async with AsyncCheckpointManager(
+        root, local=tier, persist_every=2, event_handlers=[events.append]
+    ) as mgr:
+        assert await mgr.steps() == [2, 3]
+        assert same(await mgr.load(), state(3))
+        rid = mgr.root_id
+    assert [e.name for e in events].count("tier.adopted") == 1
+    assert json.loads((nvme / "_tier.json").read_text())["root"] == rid
+    with pytest.raises(TierMismatchError):
+        async with AsyncCheckpointManager(tmp_path / "other", local=tier):
+            pass
+
+
+def test_ranks_of_one_host_with_a_tier_each_are_refused_at_open(tmp_path):
+    """Two ranks of one host, each given its own tier directory (as two machines given one
+    AIOCKPT_HOST_ID would be): every rank's open() fails, naming the ranks, the host and
+    both directories; nothing is saved that no rank could load."""
+    root = str(tmp_path / "root")
+    t0, t1 = str(tmp_path / "t0"), str(tmp_path / "t1")
+    args = {"hosts": ["a", "a"], "local": {"a": t0}, "tier_of_rank": [t0, t1]}
+    opened = run_tiers("opens", 2, tmp_path, root, args)
+    for r in opened:
+        assert r["error"] is not None, opened
+        kind, message = r["error"]
+        assert kind == "TierMismatchError", r
+        assert "rank 1 (host a) does not share the tier of rank 0" in message
+        assert t0 in message
+        assert t1 in message
+    assert os.listdir(t1) == []  # rank 1's directory: nothing of this job
+    assert committed(t0) == []

@@ -10,30 +10,35 @@ step directories: streamed, checked against the shard's crc32c before it is link
 place, never over a file that is there. A replacement host, its tier empty, reads its ranks'
 shards from its partners as it loads them (``peerview.py``), without copying them.
 
-The wire: each message is a 4-byte big-endian length, a JSON header of that length, and,
-where the header has ``size``, that many raw bytes; ``crc32c`` in the header is theirs.
-Requests: ``put`` (a shard copy), ``list`` (the steps whose shard of a rank this tier holds),
-``read`` (a byte range of a step's manifest or shard, and the file's size). Answers:
-``{"ok": true, ...}`` or ``{"error"}``, after which the server hangs up.
+Every connection is authenticated both ways with the root's peer key, and every message
+after that carries a MAC (``peerwire.py``): only a holder of the key, which whoever can read
+the root holds, can connect, and a connection grants no right the root does not. Requests:
+``put`` (a copy of the sending rank's own shard, to a partner of that rank by the partner
+map: never a manifest, never another rank's file), ``list`` (the steps whose shard of the
+connected rank this tier holds), ``read`` (a byte range of a step's manifest or of the
+connected rank's shard, and the file's size). Answers: ``{"ok": true, ...}`` or
+``{"error"}``, after which the server hangs up. The server serves a bounded number of
+connections at once and closes one idle for :data:`IDLE_TIMEOUT` seconds.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import socket
 import socketserver
 import struct
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from collections.abc import Callable, Collection, Iterator
+from typing import Any
 
 from .._core import format as fmt
 from .._core.catalog import Catalog
 from .._core.storeops import StoreOps
 from ..errors import CheckpointError, StorageError
 from ..storage._local import LocalStorage
+from . import peerwire
+from .peerwire import Channel
 
 __all__ = ["PeerServer", "Peers", "partners"]
 
@@ -43,17 +48,16 @@ ADDR_ENV = "AIOCKPT_TIER_ADDR"
 #: How many bytes a copy moves at a time: its memory, whatever the shard's size.
 CHUNK = 8 << 20
 
+#: Seconds a connection may take to authenticate, and may then stay idle, before the server
+#: closes it.
+HANDSHAKE_TIMEOUT = 10.0
+IDLE_TIMEOUT = 120.0
+
+#: How many connections the server serves at once; one more is closed as it comes.
+MAX_CONNECTIONS = 64
+
 #: The store key of a rank's daemon's address.
 _KEY = "aiockpt/tier-peer/{rank}"
-
-_LEN = struct.Struct(">I")
-
-
-class BinaryIO(Protocol):
-    """What the wire reads from: a socket's file."""
-
-    def read(self, n: int, /) -> bytes: ...
-
 
 #: What the peers' work says: (event name, step, detail).
 Say = Callable[[str, int | None, str], None]
@@ -80,100 +84,95 @@ def partners(hosts: tuple[str, ...], rank: int, k: int) -> list[int]:
 # ------------------------------------------------------------------------------- the wire
 
 
-def send_msg(sock: socket.socket, header: dict[str, Any], body: bytes = b"") -> None:
-    data = json.dumps(header).encode()
-    sock.sendall(_LEN.pack(len(data)) + data + body)
+#: What gives a daemon its root's peer key and id, read from the root when first needed.
+Credentials = Callable[[], tuple[bytes, str]]
 
 
-def _exact(f: BinaryIO, n: int) -> bytes:
-    data = f.read(n)
-    if len(data) != n:
-        raise ConnectionError("the peer closed the connection mid-message")
-    return data
-
-
-def recv_msg(f: BinaryIO) -> dict[str, Any]:
-    (n,) = _LEN.unpack(_exact(f, _LEN.size))
-    header = json.loads(_exact(f, n))
-    if not isinstance(header, dict):
-        raise ConnectionError("a peer's message is not a JSON object")
-    return header
-
-
-def receive_file(f: BinaryIO, storage: LocalStorage, path: str, size: int, crc: int) -> bool:
-    """Stream ``size`` bytes from ``f`` into ``path`` of ``storage``
-    (:meth:`LocalStorage.receive`: a temporary file, synced, checked against ``crc``, then
-    linked into place, never over a file that is there: False then). A crc mismatch is a
-    :class:`StorageError`, nothing left behind."""
-    if size < 0:
-        raise StorageError(f"{path}: a size of {size} bytes")
-    return storage.receive(path, _pieces(f, size), crc)
-
-
-def _pieces(f: BinaryIO, size: int) -> Iterator[bytes]:
-    """``size`` bytes of ``f``, ``CHUNK`` at most at a time."""
-    left = size
-    while left:
-        piece = f.read(min(CHUNK, left))
-        if not piece:
-            raise ConnectionError("the peer closed the connection mid-file")
-        yield piece
-        left -= len(piece)
-
-
-def send_file(sock: socket.socket, storage: LocalStorage, path: str, start: int, end: int) -> None:
-    """The bytes ``[start, end)`` of ``path`` on ``sock``, ``CHUNK`` at a time, through one
-    buffer."""
+def file_pieces(storage: LocalStorage, path: str, start: int, end: int) -> Iterator[memoryview]:
+    """The bytes ``[start, end)`` of ``path``, ``CHUNK`` at a time through one buffer (each
+    piece is valid until the next is asked for)."""
     buf = memoryview(bytearray(min(CHUNK, end - start)))
     at = start
     while at < end:
         piece = buf[: min(end - at, CHUNK)]
         storage.readinto(path, at, piece)
-        sock.sendall(piece)
+        yield piece
         at += len(piece)
 
 
-def checked_path(step: Any, name: Any) -> str:
-    """``step``'s file ``name``, where it is a manifest or a shard: nothing else is served."""
+def step_file(step: Any, name: Any, rank: int) -> str:
+    """``step``'s file ``name`` where it is its manifest or a shard of ``rank``: nothing
+    else is served or taken."""
     if type(step) is not int or step < 0 or not isinstance(name, str):
         raise StorageError(f"not a step's file: {step!r}, {name!r}")
-    if name != fmt.MANIFEST and not (name.startswith("shard_") and "/" not in name):
-        raise StorageError(f"not a step's file: {name!r}")
-    if ".." in name or "\0" in name:
-        raise StorageError(f"not a step's file: {name!r}")
+    if name != fmt.MANIFEST:
+        parsed = fmt.parse_shard_filename(name)
+        if parsed is None or parsed[0] != rank:
+            raise StorageError(f"not a file of rank {rank}: {name!r}")
     return f"{fmt.step_dirname(step)}/{name}"
+
+
+def _count(value: Any, what: str) -> int:
+    if type(value) is not int or value < 0:
+        raise StorageError(f"{what} {value!r} is not a non-negative int")
+    return value
 
 
 # ----------------------------------------------------------------------------- the server
 
 
-class _Handler(socketserver.StreamRequestHandler):
+class _Handler(socketserver.BaseRequestHandler):
     server: PeerServer
 
     def handle(self) -> None:
+        sock: socket.socket = self.request
+        sock.settimeout(HANDSHAKE_TIMEOUT)
+        try:
+            key, root_id = self.server.credentials()
+            chan = peerwire.accept(sock, key, root_id)
+        except Exception:  # no proof, no key here yet, a silent client: hang up
+            return
+        sock.settimeout(self.server.idle_timeout)
         while True:
             try:
-                req = recv_msg(self.rfile)
+                req = chan.recv()
             except (ConnectionError, OSError, struct.error, ValueError):
                 return
             try:
-                self.server.answer(req, self.rfile, self.connection)
+                self.server.answer(req, chan)
             except Exception as e:  # the stream may be mid-message: answer, then hang up
                 with contextlib.suppress(OSError):
-                    send_msg(self.connection, {"error": f"{type(e).__name__}: {e}"})
+                    chan.send({"error": f"{type(e).__name__}: {e}"})
                 return
 
 
 class PeerServer(socketserver.ThreadingTCPServer):
-    """Serves this host's tier to the daemons of other hosts: copies in, reads out."""
+    """Serves this host's tier to the daemons of other hosts that prove the root's key:
+    copies in from the ranks this host's rank is a partner of, reads out of what the
+    connected rank may load."""
 
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address: str, storage: LocalStorage) -> None:
+    def __init__(
+        self,
+        address: str,
+        storage: LocalStorage,
+        credentials: Credentials,
+        senders: Collection[int],
+        *,
+        idle_timeout: float = 0.0,
+    ) -> None:
         super().__init__((address, 0), _Handler)
         self.storage = storage
         self.catalog = Catalog(storage)
+        self.credentials = credentials
+        #: The ranks whose shards this rank keeps copies of (its partners by the map).
+        self.senders = frozenset(senders)
+        self.idle_timeout = idle_timeout or IDLE_TIMEOUT
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._lock = threading.Lock()
+        self._putting: dict[int, int] = {}  # step: puts under way into its directory
         self.thread = threading.Thread(
             target=self.serve_forever, name="aiockpt-tier-peers", daemon=True
         )
@@ -183,25 +182,71 @@ class PeerServer(socketserver.ThreadingTCPServer):
         name = host.decode() if isinstance(host, bytes) else host
         return f"{name}:{port}"
 
-    def answer(self, req: dict[str, Any], rfile: BinaryIO, sock: socket.socket) -> None:
+    def process_request(self, request: Any, client_address: Any) -> None:
+        # At most MAX_CONNECTIONS at once: one more is closed as it comes.
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def answer(self, req: dict[str, Any], chan: Channel) -> None:
         op = req.get("op")
         if op == "put":
-            path = checked_path(req.get("step"), req.get("file"))
-            self.storage.makedirs(fmt.step_dirname(req["step"]))
-            fresh = receive_file(rfile, self.storage, path, int(req["size"]), int(req["crc32c"]))
-            send_msg(sock, {"ok": True, "fresh": fresh})
+            self.put(req, chan)
         elif op == "list":
-            send_msg(sock, {"ok": True, "steps": self.holding(int(req["rank"]))})
+            chan.send({"ok": True, "steps": self.holding(chan.rank)})
         elif op == "read":
-            path = checked_path(req.get("step"), req.get("file"))
+            path = step_file(req.get("step"), req.get("file"), chan.rank)
             start, end = req.get("start"), req.get("end")
             size = self.storage.size(path)
             if type(start) is not int or type(end) is not int or not 0 <= start <= end <= size:
                 raise StorageError(f"{path}: {start!r}..{end!r} is not a range of its {size} bytes")
-            send_msg(sock, {"ok": True, "size": size, "length": end - start})
-            send_file(sock, self.storage, path, start, end)
+            chan.send(
+                {"ok": True, "size": size, "length": end - start},
+                file_pieces(self.storage, path, start, end),
+            )
         else:
-            send_msg(sock, {"error": f"not a peer request: {op!r}"})
+            chan.send({"error": f"not a peer request: {op!r}"})
+
+    def put(self, req: dict[str, Any], chan: Channel) -> None:
+        """A partner's copy of its own shard: taken only from a rank this one is a partner
+        of, checked whole (its MAC and crc32c) before it is linked into place; a refused or
+        failed one leaves nothing, not even the step directory it would have made."""
+        if chan.rank not in self.senders:
+            raise StorageError(f"rank {chan.rank} does not replicate its shards to this host")
+        step = _count(req.get("step"), "step")
+        path = step_file(step, req.get("file"), chan.rank)
+        if path.endswith("/" + fmt.MANIFEST):
+            raise StorageError("a manifest is never copied: each host commits its own")
+        size, crc = _count(req.get("size"), "size"), _count(req.get("crc32c"), "crc32c")
+        head = fmt.step_dirname(step)
+        with self._lock:
+            made = not self.storage.exists(head)
+            self.storage.makedirs(head)
+            self._putting[step] = self._putting.get(step, 0) + 1
+        ok = False
+        try:
+            fresh = self.storage.receive(path, chan.pieces(size), crc)
+            ok = True
+        finally:
+            with self._lock:
+                self._putting[step] -= 1
+                if not self._putting[step]:
+                    del self._putting[step]
+                    if made and not ok:  # rmdir(2): never anything in it, nor a link
+                        with contextlib.suppress(OSError):
+                            os.rmdir(os.path.join(self.storage.root, head))
+        chan.send({"ok": True, "fresh": fresh})
 
     def holding(self, rank: int) -> list[list[Any]]:
         """The committed steps of this tier that hold ``rank``'s shard: [step, file, crc]."""
@@ -231,6 +276,8 @@ class Peers:
         targets: list[int],
         timeout: float,
         say: Say,
+        credentials: Credentials,
+        senders: Collection[int],
     ) -> None:
         self.storage = storage
         self.ops = ops
@@ -238,7 +285,8 @@ class Peers:
         self.targets = targets
         self.timeout = timeout
         self.say = say
-        self.server = PeerServer(bind_address(), storage)
+        self.credentials = _cached(credentials)
+        self.server = PeerServer(bind_address(), storage, self.credentials, senders)
         self.server.thread.start()
         self._addrs: dict[int, tuple[str, int]] = {}
         key = _KEY.format(rank=rank)
@@ -263,10 +311,12 @@ class Peers:
             self._addrs[rank] = (host, int(port))
         return self._addrs[rank]
 
-    def connect(self, rank: int) -> socket.socket:
-        """A new connection to ``rank``'s daemon, whose operations time out after the job's
-        ``dist_timeout``."""
-        return socket.create_connection(self._addr(rank), timeout=self.timeout)
+    def connect(self, rank: int) -> Channel:
+        """A new connection to ``rank``'s daemon, authenticated both ways, whose operations
+        time out after the job's ``dist_timeout``."""
+        key, root_id = self.credentials()
+        sock = socket.create_connection(self._addr(rank), timeout=self.timeout)
+        return peerwire.connect(sock, key, root_id, self.rank)
 
     def forget(self, rank: int) -> None:
         """Look ``rank``'s address up again next time: a new daemon there may have another."""
@@ -284,11 +334,13 @@ class Peers:
             return
         for target in self.targets:
             try:
-                with self.connect(target) as sock:
+                chan = self.connect(target)
+                try:
                     head = {"op": "put", "step": step, "file": name, "size": size}
-                    send_msg(sock, {**head, "crc32c": crc})
-                    send_file(sock, self.storage, path, 0, size)
-                    answer = recv_msg(sock.makefile("rb"))
+                    chan.send({**head, "crc32c": crc}, file_pieces(self.storage, path, 0, size))
+                    answer = chan.recv()
+                finally:
+                    chan.close()
                 if "error" in answer:
                     raise StorageError(answer["error"])
                 self.say("tier.replicated", step, f"{name} to rank {target}")
@@ -300,6 +352,21 @@ class Peers:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def _cached(credentials: Credentials) -> Credentials:
+    """``credentials``, asked until they are had once, then kept (a daemon may start before
+    the root's writer has made its key; no connection is made or taken before then)."""
+    kept: list[tuple[bytes, str]] = []
+    lock = threading.Lock()
+
+    def get() -> tuple[bytes, str]:
+        with lock:
+            if not kept:
+                kept.append(credentials())
+            return kept[0]
+
+    return get
 
 
 def bind_address() -> str:

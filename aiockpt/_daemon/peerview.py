@@ -9,17 +9,15 @@ pieces read over several connections at once. Nothing is written to this host's 
 replacement host's load reads its shard from its partner as it would from its own disk, and
 its new saves fill its tier again.
 
-The bytes are not checked here: a load checks every tensor's crc32c (and the shard's) as it
-reads. A partner that cannot be reached, or that goes away mid-read, is a
+Every answer comes over an authenticated connection, its bytes checked against their MAC
+before they are handed on (``peerwire.py``); the load then checks every tensor's crc32c (and
+the shard's) as it reads. A partner that cannot be reached, or that goes away mid-read, is a
 :class:`StorageError` within the job's ``dist_timeout``, never a hang.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import socket
-import struct
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -27,7 +25,8 @@ from typing import Any
 
 from .._core import format as fmt
 from ..errors import StorageError
-from .peers import Peers, Say, send_msg
+from .peers import Peers, Say
+from .peerwire import Channel
 
 __all__ = ["PeerView"]
 
@@ -36,33 +35,6 @@ PIECE = 16 << 20
 
 #: How many requests a large read has in flight (each on a connection of its own).
 STREAMS = 4
-
-_LEN = struct.Struct(">I")
-
-
-def recv_into(sock: socket.socket, out: memoryview) -> None:
-    """Fill ``out`` from ``sock``; a connection that ends first is a ConnectionError."""
-    got = 0
-    while got < len(out):
-        with out[got:] as rest:
-            n = sock.recv_into(rest)
-        if n == 0:
-            raise ConnectionError("the peer closed the connection mid-message")
-        got += n
-
-
-def recv_header(sock: socket.socket) -> dict[str, Any]:
-    """One message's JSON header, read from ``sock`` itself (no buffered file: the bytes
-    after it go straight into the reader's memory)."""
-    raw = bytearray(_LEN.size)
-    recv_into(sock, memoryview(raw))
-    (n,) = _LEN.unpack(raw)
-    data = bytearray(n)
-    recv_into(sock, memoryview(data))
-    header = json.loads(data)
-    if not isinstance(header, dict):
-        raise ConnectionError("a peer's message is not a JSON object")
-    return header
 
 
 class PeerView:
@@ -75,7 +47,7 @@ class PeerView:
         self.url = "peer://"
         self._held: dict[int, tuple[int, str]] | None = None  # step: (partner, shard file)
         self._sizes: dict[str, int] = {}
-        self._idle: dict[int, list[socket.socket]] = {}
+        self._idle: dict[int, list[Channel]] = {}
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
 
@@ -196,12 +168,12 @@ class PeerView:
         a new one, when it failed before any answer."""
         what = f"{header.get('op')} of {header.get('file', 'replicas')} on rank {target}"
         while True:
-            sock: socket.socket | None = None
+            chan: Channel | None = None
             reused, answered = False, False
             try:
-                sock, reused = self._take(target)
-                send_msg(sock, header)
-                answer = recv_header(sock)
+                chan, reused = self._take(target)
+                chan.send(header)
+                answer = chan.recv()
                 answered = True
                 if "error" in answer:
                     raise StorageError(f"{what}: the partner answered {answer['error']}")
@@ -209,10 +181,10 @@ class PeerView:
                     length = answer.get("length")
                     if length != len(out):
                         raise StorageError(f"{what}: {length!r} bytes answered, not {len(out)}")
-                    recv_into(sock, out)
+                    chan.recv_into(out)  # its MAC checked before the load sees the bytes
             except BaseException as e:
-                if sock is not None:
-                    sock.close()
+                if chan is not None:
+                    chan.close()
                 if isinstance(e, StorageError) or not isinstance(e, Exception):
                     raise
                 self.peers.forget(target)  # a new daemon there may have a new address
@@ -221,10 +193,10 @@ class PeerView:
                     continue
                 raise StorageError(f"{what}: {type(e).__name__}: {e}") from None
             with self._lock:
-                self._idle.setdefault(target, []).append(sock)
+                self._idle.setdefault(target, []).append(chan)
             return answer
 
-    def _take(self, target: int) -> tuple[socket.socket, bool]:
+    def _take(self, target: int) -> tuple[Channel, bool]:
         """A connection to ``target``: an idle one (True), else a new one (False)."""
         with self._lock:
             idle = self._idle.get(target)
@@ -248,9 +220,9 @@ class PeerView:
         with self._lock:
             idle, self._idle = self._idle, {}
             pool, self._pool = self._pool, None
-        for socks in idle.values():
-            for sock in socks:
+        for chans in idle.values():
+            for chan in chans:
                 with contextlib.suppress(OSError):
-                    sock.close()
+                    chan.close()
         if pool is not None:
             pool.shutdown()

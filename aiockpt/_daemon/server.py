@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from .._core.catalog import Catalog
+from .._core.identity import claim_root, read_root_id
 from .._core.leasekeeper import LeaseKeeper
 from .._core.pipe import PipeEnd
 from .._core.protocol import (
@@ -52,6 +53,7 @@ from .._core.protocol import (
     Stop,
     StreamReq,
     StreamWindowReq,
+    TierBindReq,
     WarmReq,
     WindowReady,
     check_protocol,
@@ -150,6 +152,7 @@ class Daemon:
             PublishFailureReq: self._publish_failure,
             DeleteReq: self._delete,
             SafetensorsReq: self._safetensors,
+            TierBindReq: self._bind_tier,
         }
 
     def start(self) -> LeaseGrant | None:
@@ -160,11 +163,19 @@ class Daemon:
         if self.lease is not None:
             grant = self.lease.acquire()
             self.lease.start()
+            self.root_id = claim_root(self.storage)
+            if self.tiers is not None and not self.cfg.hosts:  # one process: its tier is its own
+                self.tiers.tie.claim(self.root_id, self.storage.url)
+        else:
+            self.root_id = read_root_id(self.storage)
         if self.cfg.collect_partials:
             self.catalog.collect_partials(self.in_flight.snapshot)
             if self.tiers is not None:
                 self.tiers.collect_partials(self.in_flight.snapshot)
         return grant
+
+    #: The root's id, once :meth:`start` has read it (or made it, as the lease's holder).
+    root_id: str | None = None
 
     # ----------------------------------------------------------------- reads
 
@@ -207,6 +218,11 @@ class Daemon:
             return self.tiers.delete(req, self.pruner)
         self.pruner.delete(req.step, req.allow_latest)
         return True
+
+    def _bind_tier(self, req: TierBindReq) -> str:
+        if self.tiers is None:
+            raise TypeError("this daemon has no local tier")
+        return self.tiers.tie.bind(req, self.storage.url)
 
     def _publish_failure(self, req: PublishFailureReq) -> None:
         # A respawned daemon tells the other ranks that its predecessor's save failed.
@@ -348,7 +364,7 @@ def main(argv: list[str]) -> int:
             daemon.close()
         return 1
     try:
-        pipe.send(Ready(os.getpid(), lease=grant))
+        pipe.send(Ready(os.getpid(), lease=grant, root_id=daemon.root_id))
     except (OSError, EOFError, ValueError):
         # The trainer is gone before it heard we were ready (killed, or its open() was
         # cancelled): nobody will ever stop us, so leave nothing held, lease nor slabs.

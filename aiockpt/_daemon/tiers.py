@@ -29,8 +29,21 @@ from typing import TYPE_CHECKING, Any
 
 from .._core import format as fmt
 from .._core.catalog import Catalog, manifest_path
-from .._core.protocol import DeleteReq, EventMsg, Hello, SaveDone, SaveReq, SlabFree
-from ..errors import CheckpointError, CheckpointNotFoundError, InvalidStepError, StorageError
+from .._core.identity import read_peer_key, read_root_id
+from .._core.protocol import (
+    DeleteReq,
+    EventMsg,
+    Hello,
+    SaveDone,
+    SaveReq,
+    SlabFree,
+)
+from ..errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    InvalidStepError,
+    StorageError,
+)
 from ..retention import LatestN
 from ..storage import Storage, open_storage
 from ..storage._local import LocalStorage
@@ -41,6 +54,7 @@ from .peers import Peers, partners
 from .peerview import PeerView
 from .pipe import Outbox, remote_error
 from .prune import Pruner
+from .tie import Tie
 from .writer import Writer, follow
 
 if TYPE_CHECKING:
@@ -275,7 +289,10 @@ class Tiers:
         writer: Writer,
         peers: Peers | None,
         peer_view: PeerView | None = None,
+        say: Callable[[str, str], None] = lambda name, detail: None,
     ) -> None:
+        #: The tier's tie to its root (see tie.py).
+        self.tie = Tie(storage, catalog, say)
         self.storage = storage
         self.catalog = catalog
         self.writer = writer
@@ -431,7 +448,9 @@ def attach(d: Daemon) -> Tiers | None:
     view = TierCatalog(tiers_view, cfg.rank, cfg.world_size, emit)
     d.reader = Reader(view, d.slabs, d.pool)
     d.listing = view
-    return Tiers(storage, catalog, local, peers, theirs)
+    return Tiers(
+        storage, catalog, local, peers, theirs, lambda n, detail: emit(n, None, "local", detail)
+    )
 
 
 def replicas(d: Daemon, storage: LocalStorage, emit: Emit) -> Peers | None:
@@ -448,8 +467,20 @@ def replicas(d: Daemon, storage: LocalStorage, emit: Emit) -> Peers | None:
     def say(name: str, step: int | None, detail: str) -> None:
         emit(name, step, "peer", detail)
 
+    def credentials() -> tuple[bytes, str]:
+        root_id = read_root_id(d.storage)
+        if root_id is None:
+            raise StorageError(f"{d.storage.url} has no id yet: its writer has not opened it")
+        return read_peer_key(d.storage), root_id
+
+    # The ranks whose partner this rank is: the only ones whose copies it takes.
+    senders = [
+        r for r in range(cfg.world_size) if cfg.rank in partners(cfg.hosts, r, tier.replicas)
+    ]
     try:
-        peers = Peers(storage, d.store_ops, cfg.rank, targets, cfg.dist_timeout, say)
+        peers = Peers(
+            storage, d.store_ops, cfg.rank, targets, cfg.dist_timeout, say, credentials, senders
+        )
     except Exception as e:  # the tier goes on without this rank's replicas
         say("tier.failed", None, f"no peer replicas from rank {cfg.rank}: {e}")
         Peers.unreachable(d.store_ops, cfg.rank)

@@ -46,6 +46,7 @@ from .._core.protocol import (
     Stop,
     StreamReq,
     StreamWindowReq,
+    TierBindReq,
     WarmReq,
     WindowReady,
     check_protocol,
@@ -107,6 +108,11 @@ class DaemonClient(Protocol):
         """The root's lease the daemon took as it started; None when it took none."""
         ...
 
+    @property
+    def root_id(self) -> str | None:
+        """The root's id as the daemon found (or made) it as it started."""
+        ...
+
     async def serve(self) -> None:
         """Deliver the daemon's messages to the callbacks until it is gone, then call
         ``gone``; the manager runs this as a task for the daemon's lifetime."""
@@ -128,6 +134,10 @@ class DaemonClient(Protocol):
     async def request(
         self, kind: type[WarmReq], *, step: int | None, rank: int, world_size: int
     ) -> None: ...
+    @overload
+    async def request(
+        self, kind: type[TierBindReq], *, root_id: str, probe: str, role: str = "claim"
+    ) -> str: ...
     @overload
     async def request(self, kind: type[LoadRequest], **fields: Any) -> LoadReply: ...
     async def request(self, kind: type[ReadReq], **fields: Any) -> Any:
@@ -162,6 +172,7 @@ class SubprocessClient:
         self._ids = itertools.count(1)
         self._reader_done = anyio.Event()
         self._lease: LeaseGrant | None = None
+        self._root_id: str | None = None
 
     @classmethod
     async def spawn(
@@ -234,6 +245,7 @@ class SubprocessClient:
             raise refusal
         client = cls(proc, chan, callbacks)
         client._lease = ready.lease if isinstance(ready, Ready) else None
+        client._root_id = ready.root_id if isinstance(ready, Ready) else None
         for msg in early:
             callbacks.event(msg)
         return client
@@ -253,6 +265,11 @@ class SubprocessClient:
     def lease(self) -> LeaseGrant | None:
         """The lease the daemon took as it started (see Ready.lease)."""
         return self._lease
+
+    @property
+    def root_id(self) -> str | None:
+        """The root's id (see Ready.root_id)."""
+        return self._root_id
 
     @property
     def exit_code(self) -> int | None:

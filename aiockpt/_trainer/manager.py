@@ -257,6 +257,11 @@ class AsyncCheckpointManager(SafetensorsLoading):
         d = self._daemons.current
         return d.pid if d is not None and d.alive else None
 
+    @property
+    def root_id(self) -> str | None:
+        """The root's id once open, however it is spelled (docs/format.md#the-roots-identity)."""
+        return self._daemons.root_id
+
     # ----------------------------------------------------------------- the daemon
 
     async def _connect(self, hello: Hello, callbacks: DaemonCallbacks) -> DaemonClient:
@@ -279,9 +284,7 @@ class AsyncCheckpointManager(SafetensorsLoading):
 
     async def _read(self, kind: type[LoadRequest], **fields: Any) -> LoadReply:
         """This rank's load request ``kind`` with ``fields``, answered by the live daemon."""
-        d = await self._daemons.live()
-        reply: LoadReply = await d.request(kind, **fields)
-        return reply
+        return await (await self._daemons.live()).request(kind, **fields)
 
     # ----------------------------------------------------------------- the API
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
@@ -17,9 +18,16 @@ from .._core.protocol import (
     LeaseGrant,
     PublishFailureReq,
     StepsReq,
+    TierBindReq,
 )
-from ..errors import CheckpointError, DaemonDiedError, DaemonStartError, RootLockedError
-from ..tiers import leads_host
+from ..errors import (
+    CheckpointError,
+    DaemonDiedError,
+    DaemonStartError,
+    RootLockedError,
+    TierMismatchError,
+)
+from ..tiers import HOST_ID_ENV, leads_host, machine_id
 from .client import DaemonCallbacks, DaemonClient
 from .dist import Group
 from .ledger import Emit, Ledger
@@ -68,6 +76,8 @@ class Supervisor:
         #: On the other ranks of a writing manager: the generation of rank 0's lease, which
         #: their daemons check before they write (SaveReq.lease_generation).
         self.lease_generation: int | None = None
+        #: The root's id, as the first daemon (rank 0's, on several ranks) found or made it.
+        self.root_id: str | None = None
         self._pool = pool
         self._ledger = ledger
         self._mirror = mirror
@@ -94,10 +104,61 @@ class Supervisor:
         else:
             d = await self._spawn_together(group, hello)
         self.lease = d.lease
+        if group is None:
+            self.root_id = d.root_id
         if group is not None:
             group.barrier()
+            if hello.local is not None:
+                await self._bind_tiers(group, hello)
             await self._collect_together(group, hello)
         self._ledger.committed = set(await (await self.live()).request(StepsReq))
+
+    async def _bind_tiers(self, group: Group, hello: Hello) -> None:
+        """Before any rank may save: every host's tier is tied to this root (its first rank
+        ties or checks it, and leaves a probe there), and every other rank shows that its
+        tier is that same directory (the tie and the probe are there). Ranks that give one
+        host id must also be on one machine. Anything else fails ``open()`` on every rank
+        with a :class:`TierMismatchError` naming the ranks, hosts and directories."""
+        d = await self.live()
+        assert self.root_id is not None, "a writer's root has an id"
+        lead = leads_host(hello.hosts, group.rank)
+        probe = secrets.token_hex(8) if lead else ""
+        where = error = None
+        if lead:
+            try:
+                where = await d.request(TierBindReq, root_id=self.root_id, probe=probe)
+            except CheckpointError as e:
+                error = str(e)
+        said = (machine_id(), probe, where, error)
+        told = group.all_gather(said, "the local tiers' check")
+        problems = _machines(hello.hosts, [t[0] for t in told])
+        problems += [f"rank {r}: {t[3]}" for r, t in enumerate(told) if t[3] is not None]
+        first = hello.hosts.index(hello.hosts[group.rank])
+        if not lead and not problems:
+            try:
+                where = await d.request(
+                    TierBindReq, root_id=self.root_id, probe=told[first][1], role="check"
+                )
+            except CheckpointError as e:
+                error = str(e)
+        checked = group.all_gather((where, error), "the local tiers' check")
+        if lead and where is not None:
+            with contextlib.suppress(CheckpointError):
+                await d.request(TierBindReq, root_id=self.root_id, probe=probe, role="done")
+        for r, (there, why) in enumerate(checked):
+            if why is not None and r != hello.hosts.index(hello.hosts[r]):
+                lead_r = hello.hosts.index(hello.hosts[r])
+                problems.append(
+                    f"rank {r} (host {hello.hosts[r]}) does not share the tier of rank {lead_r}, "
+                    f"its host's first rank: rank {r} uses {there or '?'}, rank {lead_r} "
+                    f"{checked[lead_r][0] or told[lead_r][2]}: {why}"
+                )
+        if problems:
+            raise TierMismatchError(
+                "the local tier cannot serve this job: " + "; ".join(problems) + ". The ranks "
+                f"of one host must share one tier directory, and each host needs its own "
+                f"{HOST_ID_ENV} (or none)"
+            )
 
     async def _collect_together(self, group: Group, hello: Hello) -> None:
         """Rank 0 removes the root's partial steps and its tier's, the first rank of every
@@ -130,19 +191,20 @@ class Supervisor:
             d, problem = None, e
         grant = d.lease if d is not None else None
         said = (
-            (type(problem).__name__, str(problem))
+            (type(problem).__name__, str(problem), None)
             if problem is not None
-            else (None, grant.generation if grant is not None else None)
+            else (None, grant.generation if grant is not None else None, d and d.root_id)
         )
         told = group.all_gather(said)
         if problem is not None:
             raise problem
-        for rank, (kind, message) in enumerate(told):
+        for rank, (kind, message, _) in enumerate(told):
             if kind is not None:
                 cls = RootLockedError if kind == RootLockedError.__name__ else DaemonStartError
                 raise cls(f"rank {rank} could not open the manager: {message}")
         if group.rank != 0:
             self.lease_generation = told[0][1]
+        self.root_id = told[0][2]  # rank 0's: the one that made it, as a writer
         assert d is not None
         return d
 
@@ -230,3 +292,17 @@ class Supervisor:
             await self.publish_failures([(h.step, h.uuid) for h in pending], str(err))
         for handle in pending:
             self._ledger.fail(handle, err)
+
+
+def _machines(hosts: tuple[str, ...], machines: list[str]) -> list[str]:
+    """What is wrong where ranks giving one host id are on different machines."""
+    out = []
+    for host in dict.fromkeys(hosts):
+        ranks = [r for r, h in enumerate(hosts) if h == host]
+        seen = {machines[r] for r in ranks}
+        if len(seen) > 1:
+            out.append(
+                f"ranks {ranks} give the host id {host!r} but are on {len(seen)} machines "
+                "(by their machine and boot ids)"
+            )
+    return out

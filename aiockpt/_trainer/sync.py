@@ -266,6 +266,11 @@ class CheckpointManager:
         """The daemon's process id (see AsyncCheckpointManager.daemon_pid)."""
         return self._async.daemon_pid
 
+    @property
+    def root_id(self) -> str | None:
+        """The root's identity (see AsyncCheckpointManager.root_id)."""
+        return self._async.root_id
+
     def save(
         self,
         step: int,

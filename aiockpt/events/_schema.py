@@ -49,6 +49,7 @@ EVENTS: dict[str, EventKind] = {
     "lease.unguarded": EventKind(_T, WARNING),
     "lease.lapsed": EventKind(_D, WARNING),
     "lease.regained": EventKind(_D, INFO),
+    "tier.adopted": EventKind(_D, WARNING),
     "tier.committed": EventKind(_D, DEBUG),
     "tier.delete": EventKind(_D, INFO),
     "tier.failed": EventKind(_D, WARNING),

@@ -197,15 +197,19 @@ class LocalStorage(_UnderRoot):
                 os.unlink(tmp)
             raise self._error("write", path, e) from None
 
-    def put_if_absent(self, path: str, data: bytes) -> bool:
+    def put_if_absent(self, path: str, data: bytes, *, mode: int | None = None) -> bool:
         """Create ``path`` holding ``data``, atomically and durably, unless something is there:
         False then. The file is written and synced under a temporary name and linked into
-        place, and link(2) never replaces an existing name."""
+        place, and link(2) never replaces an existing name. ``mode``: its permission bits,
+        set before anything is written (a secret is never readable by others, even for a
+        moment)."""
         full = self._checked("create", path)
         tmp = f"{full}.{os.getpid()}.new"  # unique per process; calls in it take turns
         with _CREATING:
             try:
                 with open(tmp, "wb") as f:
+                    if mode is not None:
+                        os.fchmod(f.fileno(), mode)
                     f.write(data)
                     f.flush()
                     os.fsync(f.fileno())

@@ -99,10 +99,10 @@ class FullDiskStorage(LocalStorage):
             raise StorageError(f"read {path} failed: connection reset", path=path, errno=errno.EIO)
         super().readinto(path, offset, out)
 
-    def put_if_absent(self, path: str, data: bytes) -> bool:
+    def put_if_absent(self, path: str, data: bytes, *, mode: int | None = None) -> bool:
         if path.endswith("/manifest.json") and self.flag and os.path.exists(self.flag):
             raise self._no_space(path)
-        return super().put_if_absent(path, data)
+        return super().put_if_absent(path, data, mode=mode)
 
 
 def open_full_disk(url: str, storage_options: dict[str, Any]) -> FullDiskStorage:

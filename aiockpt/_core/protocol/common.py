@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: Bumped on any change to these messages; checked by both ends in the handshake.
-PROTOCOL = 17
+PROTOCOL = 18
 
 #: How a loaded tensor lies in shared memory: (safetensors dtype, shape, byte offset).
 TensorAt = tuple[str, tuple[int, ...], int]
@@ -219,6 +219,19 @@ class CollectPartialsReq(ReadReq):
 
 
 @dataclass(frozen=True, slots=True)
+class TierBindReq(ReadReq):
+    """The local tier's tie to its root, at ``open()`` (see docs/tiers.md): ``"claim"``, by
+    a host's first rank, checks that the tier serves root ``root_id`` (or, new, makes it
+    do so) and leaves a probe named ``probe``; ``"check"``, by the host's other ranks,
+    checks that their tier is that one: the same root and the probe there; ``"done"``
+    removes the probe. Value: the tier's directory as this daemon sees it."""
+
+    root_id: str
+    probe: str
+    role: str = "claim"
+
+
+@dataclass(frozen=True, slots=True)
 class PublishFailureReq(ReadReq):
     """Tell the other ranks that this rank's save of ``step`` failed (value: None)."""
 
@@ -271,6 +284,9 @@ class Ready:
     protocol: int = PROTOCOL
     error: BaseException | None = None
     lease: LeaseGrant | None = None
+    #: The root's id (``_root.json``, see _core/identity.py): made by a writer's daemon as
+    #: it takes the lease, read by the others; None where the root has none (yet).
+    root_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

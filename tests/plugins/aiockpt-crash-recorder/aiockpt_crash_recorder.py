@@ -395,8 +395,13 @@ class RecordingStorage(LocalStorage):
     def put_atomic(self, path: str, data: bytes) -> None:
         self._api("put_atomic", path, data, data=_b64(bytes(data)))
 
-    def put_if_absent(self, path: str, data: bytes) -> bool:
-        return bool(self._api("put_if_absent", path, data, data=_b64(bytes(data))))
+    def put_if_absent(self, path: str, data: bytes, *, mode: int | None = None) -> bool:
+        # The mode is the file's before its bytes: one call, as the recorded write is.
+        with self.log.held():
+            result = self._impl["put_if_absent"](path, data, mode=mode)
+            data64 = _b64(bytes(data))
+            self._rec.op("api", call="put_if_absent", path=path, data=data64, result=result)
+            return bool(result)
 
     def receive(self, path: str, pieces: Iterable[bytes], crc: int) -> bool:
         got: list[bytes] = []
