@@ -46,6 +46,7 @@ from .hfload import SafetensorsLoading
 from .ledger import Ledger, SaveHandle, check_loop, loop_token
 from .load import Loader, check_keys
 from .mirror import DaemonMirror
+from .runner import TaskRunner
 from .saving import Saver
 from .sigterm import SigtermFlush, require_main_thread
 from .staging import LayoutCache, SlabPool
@@ -121,7 +122,7 @@ class AsyncCheckpointManager(SafetensorsLoading):
         self.events = EventDispatcher(self._handlers)
         self._state = "new"
         self._loop: Any = None
-        self._exit_stack: contextlib.AsyncExitStack | None = None
+        self._runner = TaskRunner()  # the daemons' readers and the SIGTERM watch
         self._sigterm: SigtermFlush | None = None
         self._pool = SlabPool(max_pending, checks.staging_memory(staging_memory))
         flattener, layouts = Flattener(), LayoutCache()
@@ -178,15 +179,13 @@ class AsyncCheckpointManager(SafetensorsLoading):
         if swept:
             logger.info("removed shared memory left by processes that are gone: %s", list(swept))
             self.events.emit("shm.swept", nbytes=sum(swept.values()))
-        stack = contextlib.AsyncExitStack()
-        self._tg = await stack.enter_async_context(anyio.create_task_group())
-        self._exit_stack = stack
         try:
-            await self._daemons.start(self._tg, self._group, hello_of(self))
+            await self._runner.start()
+            await self._daemons.start(self._runner.tg, self._group, hello_of(self))
             lease_events(self.events, self._daemons.lease, self.url)
             if self.on_sigterm is not None:
                 self._sigterm = SigtermFlush(self._flush)
-                await self._sigterm.start(self._tg)
+                await self._sigterm.start(self._runner.tg)
         except BaseException:
             self._state = "closed"
             with anyio.CancelScope(shield=True):
@@ -209,21 +208,20 @@ class AsyncCheckpointManager(SafetensorsLoading):
             self._state = "closed"
             with anyio.CancelScope(shield=True):
                 await self._daemons.stop()
-            await self._shutdown()
             for handle in list(self._ledger.pending.values()):
                 closed = DaemonError("the manager closed before this save committed")
                 self._ledger.fail(handle, closed)
             self.events.close()  # an operation the daemon never answered still ends
+            await self._shutdown()
 
     async def _shutdown(self) -> None:
-        """Exit the task group (never inside a cancel scope of our own) and free the slabs."""
-        if self._exit_stack is not None:
-            self._tg.cancel_scope.cancel()
-            await self._exit_stack.aclose()
-            self._exit_stack = None
-        self._pool.close()
-        if self._sigterm is not None:
-            self._sigterm.restore()
+        """End the background tasks (shielded, in any scope of the caller); free the slabs."""
+        try:
+            await self._runner.stop()
+        finally:
+            self._pool.close()
+            if self._sigterm is not None:
+                self._sigterm.restore()
 
     async def _flush(self) -> None:
         """On SIGTERM (on_sigterm="flush"): commit every staged save and stop the daemon."""
@@ -280,7 +278,7 @@ class AsyncCheckpointManager(SafetensorsLoading):
         """Send this rank's :class:`WarmReq` for a load of ``step``, and return: its answer
         is not waited for, and any error it meets is the load's to raise."""
         req = {"step": step, "rank": self.rank, "world_size": self.world_size}
-        await self._tg.start(_warming, self._daemons, req)
+        await self._runner.tg.start(_warming, self._daemons, req)
 
     async def _read(self, kind: type[LoadRequest], **fields: Any) -> LoadReply:
         """This rank's load request ``kind`` with ``fields``, answered by the live daemon."""
