@@ -635,7 +635,8 @@ async def test_keys_with_slashes_and_dots_are_stored_safely(root):
         info = await (await mgr.save(1, state))
         out = await mgr.load(1)
     assert sorted(os.listdir(info.url)) == [fmt.MANIFEST, shard_name(root, 1)]
-    assert sorted(os.listdir(root)) == [LEASE_DIR, "step_000000000001"]  # nothing else
+    # nothing else: the lease, the root's identity, the step
+    assert sorted(os.listdir(root)) == [LEASE_DIR, "_peer.key", "_root.json", "step_000000000001"]
     assert torch.equal(out[".."][".."], torch.arange(2))
     assert torch.equal(out["/abs"], torch.arange(3))
     assert torch.equal(out["a/../b"], torch.arange(4))

@@ -199,6 +199,8 @@ async def test_manager_save_load_retention_on_gcs(gcs: GCSServer, bucket: str) -
     # (incremental checkpoints keep unchanged tensors where they were written)
     assert {n.split("/")[1] for n in names} <= {
         "_lease",
+        "_peer.key",
+        "_root.json",
         "step_000000000001",
         "step_000000000002",
         "step_000000000003",

@@ -538,7 +538,13 @@ async def test_manager_save_load_retention_on_s3(s3: S3Server, bucket: str) -> N
         assert torch.equal(loaded["b"], expected["b"])
         assert loaded["step_info"] == {"lr": 0.1}
     keys = {o["Key"] for o in s3.client().list_objects_v2(Bucket=bucket).get("Contents", [])}
-    assert {k.split("/")[1] for k in keys} == {"_lease", "step_000000000002", "step_000000000003"}
+    assert {k.split("/")[1] for k in keys} == {
+        "_lease",
+        "_peer.key",
+        "_root.json",
+        "step_000000000002",
+        "step_000000000003",
+    }
     assert _uploads(s3, bucket) == []
 
 
