@@ -321,6 +321,23 @@ async def test_a_save_after_an_idle_daemons_death_commits(tmp_path):
         assert await mgr.steps() == list(range(1, 22))
 
 
+async def test_a_save_right_after_the_daemon_was_killed_commits(tmp_path):
+    """SIGKILLed and saved to at once: the daemon is dying (its threads exit, its memory is
+    torn down, it is a zombie not yet reaped) when the save comes, and never gets it. The
+    save goes to a new daemon and commits."""
+    root = str(tmp_path / "run")
+    async with AsyncCheckpointManager(root) as mgr:
+        await (await mgr.save(1, state(1)))
+        for step in range(2, 10):  # 8 trials
+            pid = mgr.daemon_pid
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            with anyio.fail_after(60):
+                await (await mgr.save(step, state(step)))
+            assert mgr.daemon_pid != pid
+        assert await mgr.steps() == list(range(1, 10))
+
+
 def test_a_sync_save_after_an_idle_daemons_death_commits(tmp_path):
     root = str(tmp_path / "run")
     with CheckpointManager(root) as mgr:

@@ -253,8 +253,9 @@ class SubprocessClient:
     @property
     def alive(self) -> bool:
         """False once the daemon is gone: its pipe closed, or the process exited (seen
-        before the reader runs, while the caller's event loop was busy elsewhere)."""
-        return self._alive and self.proc.poll() is None
+        before the reader runs, while the caller's event loop was busy elsewhere), or it is
+        dying: killed, exiting, or a zombie not yet reaped (see :func:`dying`)."""
+        return self._alive and self.proc.poll() is None and not dying(self.proc.pid)
 
     @property
     def pid(self) -> int:
@@ -357,6 +358,29 @@ class SubprocessClient:
             with anyio.move_on_after(10):
                 await self._reader_done.wait()
         self._chan.close()
+
+
+#: SIGKILL's bit in /proc's masks of pending signals; PF_EXITING in /proc/PID/stat's flags.
+_SIGKILL_BIT, _PF_EXITING = 1 << (9 - 1), 0x4
+
+
+def dying(pid: int) -> bool:
+    """Whether our child ``pid`` can run no more (Linux; elsewhere False): a SIGKILL is
+    pending, it has begun to exit, or it is a zombie. A process SIGKILLed a moment ago (an
+    OOM kill) is all of these in turn, before it can be reaped, and reads no more of its
+    pipe: a save sent to it would be lost. Read in that order, so no moment is missed."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            status = f.read()
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False  # reaped already (poll() says so), or no /proc
+    for line in status.splitlines():
+        if line.startswith((b"SigPnd:", b"ShdPnd:")) and int(line.split()[1], 16) & _SIGKILL_BIT:
+            return True
+    fields = stat.rpartition(b")")[2].split()  # after the command's name, which may hold spaces
+    return fields[0] in (b"Z", b"X") or bool(int(fields[6]) & _PF_EXITING)
 
 
 def _refusal(ready: object) -> BaseException | None:

@@ -136,7 +136,11 @@ class Saver:
     ) -> tuple[int, int]:
         d = await self._daemons.live()
         try:
-            return await self._send(d, handle, state, *args)
+            try:
+                return await self._send(d, handle, state, *args)
+            except _DiedBeforeSent:  # it never got this save: a new daemon does
+                d = await self._daemons.live()
+                return await self._send(d, handle, state, *args)
         except BaseException as e:
             if group is not None and d.alive:
                 # Every rank agreed to save this step: tell the others not to wait for it.
@@ -191,7 +195,7 @@ class Saver:
                 overwrite=overwrite,
             )
             if not client.alive:
-                raise DaemonDiedError(
+                raise _DiedBeforeSent(
                     "the checkpoint daemon died during staging", exit_code=client.exit_code
                 )
             self._ledger.pending[handle.uuid] = handle
@@ -315,3 +319,8 @@ class Saver:
                 f"block, or the header) is {need} bytes; give at least "
                 f"{2 * fmt.align_up(need) * self._pool.max_pending} bytes"
             ) from None
+
+
+class _DiedBeforeSent(DaemonDiedError):
+    """The daemon died (or is dying) before a save was sent to it: the save goes to a new
+    daemon instead, once."""
