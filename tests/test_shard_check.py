@@ -45,7 +45,8 @@ def record(root: str, step: int, name: str) -> dict:
 
 async def test_a_load_of_every_tensor_reads_the_whole_shard(tmp_path):
     """The head is read with the tensors: the bytes read are the shard's size, and both
-    kinds of load restore every tensor."""
+    kinds of load restore every tensor. A load as new tensors from a local root is read by
+    the trainer, each tensor checked by its own crc32c: it reads the tensors' bytes alone."""
     root, events = str(tmp_path), []
     async with AsyncCheckpointManager(root, event_handlers=[events.append]) as mgr:
         await (await mgr.save(1, state()))
@@ -53,7 +54,8 @@ async def test_a_load_of_every_tensor_reads_the_whole_shard(tmp_path):
         target = zeros()
         await mgr.load(1, into=target)
         fresh = await mgr.load(1)
-    assert [e.read_nbytes for e in load_ends(events)] == [nbytes, nbytes]
+    tensors = N * 1024 * 4
+    assert [e.read_nbytes for e in load_ends(events)] == [nbytes, tensors]
     for i in range(N):
         assert torch.equal(target[f"t{i}"], torch.full((1024,), float(i)))
         assert torch.equal(fresh[f"t{i}"], torch.full((1024,), float(i)))

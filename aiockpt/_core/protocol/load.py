@@ -62,6 +62,23 @@ class LoadReq(ReadReq):
     #: where the file has them, so that they lie where the slab's views of that layout
     #: are, and says so (``LoadReply.image``) instead of where each tensor lies.
     image: tuple[int, bytes] | None = None
+    #: The trainer reads the bytes itself when they all lie in local files: the reply then
+    #: says which (``LoadReply.direct``) and nothing is read, nor any segment made, here.
+    direct: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class DirectRead:
+    """A load the trainer reads itself from local files (see LoadReq.direct): ``pieces``,
+    (root, path under it, offset in the file, start, end in the load's output), in output
+    order; the crc32c each tensor's bytes must have; ``where``, the shard's URL, and per
+    path read, its URL and, when another step's file holds some of the shard's blocks, that
+    step: for messages."""
+
+    where: str
+    pieces: tuple[tuple[str, str, int, int, int], ...]
+    crcs: dict[str, int]
+    files: dict[str, tuple[str, int | None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +159,8 @@ class LoadReply:
     #: The tensors lie in the lent slab where the shard's file has them, as the layout of
     #: ``LoadReq.image`` places them; ``tensors`` is then empty.
     image: bool = False
+    #: Nothing was read: the trainer reads the bytes from these local files (LoadReq.direct).
+    direct: DirectRead | None = None
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         """Pickled with ``tensors`` and ``tree`` as one marshal blob: plain tuples, lists,

@@ -36,6 +36,7 @@ from ...errors import (
 )
 from ..shared import Slabs
 from .answer import _Early
+from .direct import direct_plan
 from .graft import graft
 from .plan import (
     NOTHING,
@@ -81,8 +82,16 @@ class Reader:
         into the trainer's ``slab`` when given and large enough, else into a new segment the
         trainer takes over. With ``early`` (a name), the reply comes before the bytes are
         read (see :class:`_Early`), and ``image`` may have them read as the file lies (see
-        :func:`read_as_image`)."""
+        :func:`read_as_image`). With ``direct``, a load whose bytes all lie in local files
+        reads nothing here: the reply says where they are, for the trainer to read (see
+        direct_plan)."""
         plan = self._plan(req.ask)
+        if req.direct and (direct := direct_plan(self.storage, plan)) is not None:
+            read = sum(hi - lo for lo, hi, _ in plan.ranges)  # by the trainer, from ``direct``
+            tensors = plan.placed()
+            return plan.reply(
+                segment=None, tensors=tensors, tree=plan.tree, read_nbytes=read, direct=direct
+            )
         slab, early = req.slab, req.early
         pooled = slab is not None and slab.size >= plan.size
         if slab is not None and pooled:

@@ -16,6 +16,7 @@ import torch
 
 from ..._core.gc import gc_paused
 from ..._core.protocol import CollectReq, LoadAsk, LoadReply, LoadReq
+from .direct import read_direct
 from .request import Read
 from .restore import unflatten
 from .views import map_loaded
@@ -62,9 +63,15 @@ async def load_fresh(lending: Read, ask: LoadAsk) -> tuple[LoadReply, Any]:
     values built while it reads, then handed back once every checksum has passed. What
     must own its memory (a generator's state) is filled then. Mapping, viewing and
     rebuilding the tree, work per tensor, thus no longer come after the read.
+
+    When the daemon finds every byte in local files (a local root or tier), it reads nothing
+    and says where they are (LoadReq.direct): this process reads them straight into the
+    tensors it returns (see read_direct), with no shared memory at all.
     """
     name = uuid_mod.uuid4().hex
-    reply = await lending(LoadReq, ask=ask, early=name)
+    reply = await lending(LoadReq, ask=ask, early=name, direct=True)
+    if reply.direct is not None:  # in local files: read here, into tensors of their own
+        return reply, await anyio.to_thread.run_sync(_built_direct, reply)
     later: list[tuple[torch.Tensor, torch.Tensor]] = []
     calls: list[Callable[[], object]] = []
 
@@ -78,6 +85,17 @@ async def load_fresh(lending: Read, ask: LoadAsk) -> tuple[LoadReply, Any]:
     for call in calls:
         call()
     return reply, built
+
+
+def _built_direct(reply: LoadReply) -> Any:
+    """The values of a load this process reads itself (see read_direct)."""
+    calls: list[Callable[[], object]] = []
+    tensors = read_direct(reply)
+    with gc_paused():
+        built = unflatten(reply.tree, tensors, later=calls)
+    for call in calls:
+        call()
+    return built
 
 
 async def collected(lending: Read, reply: LoadReply, name: str) -> LoadReply:
