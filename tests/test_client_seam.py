@@ -45,6 +45,7 @@ class FakeClient:
         self.alive = True
         self.exit_code: int | None = None
         self.lease = None
+        self.root_id = "0" * 32
         self.saves: list[SaveReq] = []
         self._stopping = False
         self._exited = anyio.Event()
