@@ -137,3 +137,50 @@ async def test_a_checkpoint_of_plain_tensors_holds_no_version_2_node(root):
     assert version(root, 1) == 4
     tree = json.dumps(manifest_of(root, 1)["trees"])
     assert not any(f'"{tag}":' in tree for tag in ("X", "G", "N", "n"))
+
+
+class Drawing:
+    """torchsnapshot's ``test_rng_state`` object: its state_dict() draws random numbers from
+    the global torch RNG, as a sampler or an augmentation may (and so does its load)."""
+
+    def state_dict(self) -> dict:
+        return {"foo": torch.rand(1).item()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        torch.rand(1)
+
+
+@pytest.mark.parametrize("order", ["rng_first", "rng_last"])
+async def test_rng_state(root, order):
+    """Ported from torchsnapshot: the global RNG is captured after every other state_dict()
+    and restored after every other load_state_dict(), so the resumed run draws what the
+    uninterrupted one does, wherever the generator lies in the state."""
+    torch.manual_seed(0)
+    items = [("rng_state", torch.default_generator), ("foo", Drawing())]
+    state = dict(items if order == "rng_first" else items[::-1])
+    async with AsyncCheckpointManager(root) as mgr:
+        await (await mgr.save(1, state))
+        after_take = torch.rand(8)
+        await mgr.load(into=state)
+        after_restore = torch.rand(8)
+    assert torch.equal(after_take, after_restore)
+
+
+async def test_a_generator_nested_before_the_object_that_draws_from_it(root):
+    gen = torch.Generator().manual_seed(3)
+
+    class Sampler:
+        def state_dict(self) -> dict:
+            return {"epoch_seed": int(torch.randint(0, 2**31, (1,), generator=gen))}
+
+        def load_state_dict(self, sd: dict) -> None:
+            torch.randint(0, 2**31, (1,), generator=gen)
+
+    state = {"rngs": {"data": gen}, "trainer": {"sampler": Sampler()}}
+    async with AsyncCheckpointManager(root) as mgr:
+        await (await mgr.save(1, state))
+        uninterrupted = torch.rand(8, generator=gen)
+    async with AsyncCheckpointManager(root) as mgr:
+        await mgr.load(into=state)
+        resumed = torch.rand(8, generator=gen)
+    assert torch.equal(uninterrupted, resumed)

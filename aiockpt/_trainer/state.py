@@ -8,7 +8,6 @@ value, or an object with state_dict()/load_state_dict() is refused with its key 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import math
@@ -165,6 +164,7 @@ class _Walk:
         "cuda",
         "dtensors",
         "fragments",
+        "generators",
         "key",
         "known",
         "met",
@@ -173,6 +173,9 @@ class _Walk:
         "tensors",
         "trusted",
     )
+
+    #: Whether this walk records what it refuses and goes on (see problems.py).
+    collecting = False
 
     def __init__(self, known: dict[str, Fragment] | None, met: dict[str, Fragment] | None):
         self.known = known
@@ -192,6 +195,8 @@ class _Walk:
         #: The first name and tensor staged at each data pointer, to find a tensor saved under
         #: two keys.
         self.by_ptr: dict[int, tuple[str, torch.Tensor]] = {}
+        #: (tensor slot, key slot, generator) of each generator met: captured last.
+        self.generators: list[tuple[int, int, torch.Generator]] = []
 
     def flatten(self, state: Any) -> Flat:
         """The Flat of ``state``, a mapping or a stateful object."""
@@ -204,10 +209,13 @@ class _Walk:
         with gc_paused():
             try:
                 tree = self.walk(state, "", 0)
+                _capture_generators(self)
             except UnsupportedValueError as first:
-                if isinstance(self, _Collecting):
+                if self.collecting:
                     raise
-                raise _every_problem(state, first) from None
+                from .problems import every_problem  # (a walk of its own: imports this)
+
+                raise every_problem(state, first) from None
         return Flat(
             self.names,
             self.tensors,
@@ -227,9 +235,7 @@ class _Walk:
         if np is not None and isinstance(value, (np.ndarray, np.generic)):
             return self.numpy_node(value, path, np)
         if isinstance(value, torch.Generator):
-            # Its state is a fresh CPU byte tensor, whatever the generator's device.
-            name = self.add_tensor(value.get_state(), path, alias=False)
-            return {GENERATOR: [str(value.device), name]}
+            return {GENERATOR: [str(value.device), _add_generator(self, value, path)]}
         if value is None or isinstance(value, (bool, int, str)):
             if isinstance(value, str) and "\x00" in value:
                 raise UnsupportedValueError(path, "strings with NUL characters are not stored")
@@ -442,50 +448,30 @@ class _Walk:
         return path
 
 
-class _Collecting(_Walk):
-    """A walk that records every value it refuses and goes on: what a refused state is walked
-    again with, so that one error names every key path at fault, not one per attempt."""
-
-    __slots__ = ("problems",)
-
-    def __init__(self) -> None:
-        super().__init__(None, None)
-        self.problems: list[UnsupportedValueError] = []
-
-    def walk(self, value: Any, path: str, depth: int) -> Any:
-        try:
-            return super().walk(value, path, depth)
-        except UnsupportedValueError as e:
-            self.problems.append(e)
-            return {VALUE: None}
-
-    def tensor_node(self, t: torch.Tensor, path: str) -> dict[str, str]:
-        try:
-            return super().tensor_node(t, path)
-        except UnsupportedValueError as e:
-            self.problems.append(e)
-            return {VALUE: None}  # type: ignore[dict-item]
-
-    def add_tensor(self, t: torch.Tensor, path: str, *, alias: bool = True) -> str:
-        try:
-            return super().add_tensor(t, path, alias=alias)
-        except UnsupportedValueError as e:
-            self.problems.append(e)
-            return path
-
-    def key_ok(self, key: Any, path: str) -> bool:
-        try:
-            return super().key_ok(key, path)
-        except UnsupportedValueError as e:
-            self.problems.append(e)
-            return False
+def _add_generator(walk: _Walk, gen: torch.Generator, path: str) -> str:
+    """Keep generator ``gen``'s place in ``walk``, under its name ``path``: its state is
+    captured once the whole state is walked, after every other ``state_dict()`` call, which
+    may draw from it (a sampler, an augmentation), as a load restores it after every other
+    ``load_state_dict()``."""
+    if path in walk.seen:
+        raise UnsupportedValueError(
+            path, "two keys flatten to this tensor name (e.g. int 0 and str '0')"
+        )
+    walk.seen.add(path)
+    walk.generators.append((len(walk.tensors), len(walk.key), gen))
+    walk.names.append(path)
+    walk.tensors.append(_NO_STATE)
+    walk.key.append(None)
+    return path
 
 
-def _every_problem(state: Any, first: UnsupportedValueError) -> UnsupportedValueError:
-    """One error naming every value of ``state`` that cannot be saved (``first`` was the
-    first found)."""
-    walk = _Collecting()
-    with contextlib.suppress(Exception):  # a state_dict() failing the second time
-        walk.walk(state, "", 0)
-    found = [(p, m) for e in walk.problems for p, m in e.problems] or first.problems
-    return UnsupportedValueError(found[0][0], found[0][1], more=found[1:])
+def _capture_generators(walk: _Walk) -> None:
+    """Capture the state of every generator ``walk`` met (see :func:`_add_generator`)."""
+    for slot, key_slot, gen in walk.generators:
+        state = gen.get_state()  # a fresh CPU byte tensor, whatever the generator's device
+        walk.tensors[slot] = state
+        walk.key[key_slot] = (walk.names[slot], state.dtype, state.shape)
+
+
+#: What a generator's slot holds until its state is captured.
+_NO_STATE = torch.empty(0, dtype=torch.uint8)
