@@ -228,7 +228,8 @@ class AiockptCallback(TrainerCallback):
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """Check the arguments; on a resume, restore the optimizer and LR scheduler."""
+        """Check the arguments and the root; on a resume, restore the optimizer and LR
+        scheduler."""
         if args.save_strategy == "best":  # a str enum; SaveStrategy.BEST since 4.46
             raise ValueError(
                 'AiockptCallback saves at "steps" or "epoch" save points; for the best '
@@ -238,6 +239,7 @@ class AiockptCallback(TrainerCallback):
         resume = self._resume
         self._resumed_from = None if resume is None else resume.step
         if resume is None:
+            self._check_fresh_root()
             return
         if state.global_step != resume.step:
             raise RuntimeError(
@@ -249,6 +251,30 @@ class AiockptCallback(TrainerCallback):
         self.open().load(resume.step, into=into, keys=list(into))
         resume.rng_at = self._rng_at(args, state, kwargs.get("train_dataloader"))
         self._saved_step = resume.step
+
+    def _check_fresh_root(self) -> None:
+        """Refuse, before the first step, a training that did not resume into a root that
+        holds checkpoints: its saves would mix with another run's, and the first one would
+        fail on a committed step. The manager opened here is closed again on refusal, so
+        the root's lease is not left held by a ``train()`` that raised."""
+        opened = self._manager is None
+        manager = self.open()
+        try:
+            latest = manager.latest_step()
+        except BaseException:
+            if opened:
+                self.close()
+            raise
+        if latest is None:
+            return
+        if opened:
+            self.close()
+        raise RuntimeError(
+            f"{manager.url} holds checkpoints up to step {latest}, and this training did not "
+            "resume: to continue from step "
+            f"{latest}, call trainer.train(resume_from_checkpoint=callback.resume(trainer)); "
+            "to start fresh, give the callback another root (or delete this root's checkpoints)"
+        )
 
     def on_epoch_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

@@ -18,7 +18,7 @@ import _hf_run
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from aiockpt import CheckpointManager
 from aiockpt_hf import AiockptCallback
@@ -162,6 +162,56 @@ def test_resume_refuses_a_train_call_without_its_folder(tmp_path: Path) -> None:
     finally:
         callback.close()
     assert not os.path.exists(folder)
+
+
+class _StepCounter(TrainerCallback):
+    """Counts the training steps begun."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.steps += 1
+
+
+def test_training_into_a_root_with_checkpoints_without_resume_fails_before_the_first_step(
+    tmp_path: Path,
+) -> None:
+    first = AiockptCallback(tmp_path / "root")
+    first_trainer = _trainer(tmp_path, first)
+    first_trainer.train()  # no checkpoint yet: trains without resume(), as it always has
+    assert first_trainer.state.global_step == 2
+    with CheckpointManager(tmp_path / "root") as manager:
+        assert manager.steps() == [1, 2]
+
+    callback = AiockptCallback(tmp_path / "root")
+    counter = _StepCounter()
+    trainer = _trainer(tmp_path, callback)
+    trainer.add_callback(counter)
+    try:
+        with pytest.raises(RuntimeError) as raised:
+            trainer.train()  # resume() forgotten
+    finally:
+        callback.close()
+    message = str(raised.value)
+    assert "callback.resume(trainer)" in message
+    assert "step 2" in message  # the newest step in the root
+    assert "another root" in message  # how to start fresh instead
+    # At train begin: not one step trained, nothing saved, and the lease is given back.
+    assert counter.steps == 0
+    assert trainer.state.global_step == 0
+    with pytest.raises(RuntimeError, match="not open"):
+        _ = callback.manager
+    with CheckpointManager(tmp_path / "root") as manager:
+        assert manager.steps() == [1, 2]
+
+    # The same program, resuming, goes on from step 2.
+    callback = AiockptCallback(tmp_path / "root")
+    trainer = _trainer(tmp_path, callback, max_steps=3)
+    trainer.train(resume_from_checkpoint=callback.resume(trainer))
+    assert trainer.state.global_step == 3
+    with CheckpointManager(tmp_path / "root") as manager:
+        assert manager.steps() == [1, 2, 3]
 
 
 def test_save_strategy_best_is_refused(tmp_path: Path) -> None:
