@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Iterator, Mapping
@@ -13,7 +14,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import CheckpointIO
 
 from aiockpt import CheckpointManager
-from aiockpt.errors import CheckpointNotFoundError
+from aiockpt.errors import CheckpointNotFoundError, RootLockedError
 
 from . import _pointer
 from ._codec import decode, encode
@@ -21,6 +22,8 @@ from ._pointer import Pointer
 from ._session import SAVES_PER_GLOBAL_STEP, Session
 
 __all__ = ["SAVES_PER_GLOBAL_STEP", "AiockptCheckpointIO"]
+
+log = logging.getLogger("aiockpt_lightning")
 
 
 def _absolute_root(root: str | os.PathLike[str]) -> str:
@@ -43,8 +46,10 @@ class AiockptCheckpointIO(CheckpointIO):
     (``epoch=0-step=10.ckpt``) names the aiockpt step that holds the checkpoint:
     ``global_step * SAVES_PER_GLOBAL_STEP + n``, ``n`` counting the saves at that global step.
     A new name's pointer is written as the save starts (the name is taken), one over an
-    existing pointer once the save commits. Global rank 0 saves and removes, on a process
-    group of its own; the other ranks only load, through read-only managers. Opening the root
+    existing pointer once the save commits; it records the root's id, by which it is matched
+    to a root however the root is spelled. Global rank 0 saves and removes, on a process
+    group of its own; the other ranks only load, through read-only managers, as does a load
+    while another writer (another instance, another process) holds the root. Opening the root
     for writing puts right what a killed run left (docs/lightning.md, "After a killed run").
     Thread-safe: one manager at a time, whichever thread opens it.
 
@@ -84,16 +89,27 @@ class AiockptCheckpointIO(CheckpointIO):
         self.__dict__.update(state)
         self._lock = threading.RLock()
 
-    def _open(self) -> Session:
+    def _open(self, *, load: bool = False) -> Session:
         """The open session; opened now if there is none: a writer on global rank 0 (with a
         process group of its own rank alone, so that no collective waits for ranks that do
-        not save), a reader on the other ranks."""
+        not save), a reader on the other ranks. For a ``load`` alone, rank 0 takes the lease
+        if it is free (never by ``takeover``), and reads beside the writer that holds it
+        otherwise: a load needs no lease."""
         with self._lock:
             if self._session is None:
                 rank, group = _own_group()
-                self._session = Session(
-                    self.root, self._manager_kwargs, writer=rank == 0, process_group=group
-                )
+                writer = rank == 0
+                if writer and load:
+                    options = dict(self._manager_kwargs, takeover=False)
+                    try:
+                        self._session = Session(self.root, options, process_group=group)
+                    except RootLockedError as e:
+                        log.info("loading from %s through a read-only manager: %s", self.root, e)
+                        writer = False
+                if self._session is None:
+                    self._session = Session(
+                        self.root, self._manager_kwargs, writer=writer, process_group=group
+                    )
             return self._session
 
     def _open_shared(self) -> Session:
@@ -107,18 +123,20 @@ class AiockptCheckpointIO(CheckpointIO):
                 )
             if self._session is None:
                 rank = _rank()
-                self._session = Session(
-                    self.root, self._manager_kwargs, shared=True, member=rank != 0
-                )
+                # Without deduplication, so that no checkpoint reads from another's files:
+                # global rank 0 alone deletes them, and cannot ask aiockpt to (on every rank).
+                options = dict(self._manager_kwargs, dedup=False)
+                self._session = Session(self.root, options, shared=True, member=rank != 0)
             return self._session
 
     @contextmanager
-    def _using(self) -> Iterator[Session]:
-        """The session, for a load or a removal: one opened for it is closed after it, so that
-        a load (each rank's, at a resume) or a removal made outside a run holds no root."""
+    def _using(self, *, load: bool = False) -> Iterator[Session]:
+        """The session, for a ``load`` or a removal: one opened for it is closed after it, so
+        that a load (each rank's, at a resume) or a removal made outside a run holds no
+        root."""
         with self._lock:
             opened = self._session is None
-            session = self._open()
+            session = self._open(load=load)
             try:
                 yield session
             finally:
@@ -148,13 +166,15 @@ class AiockptCheckpointIO(CheckpointIO):
             session = self._open()
             _check_writer(session, "save_checkpoint")
             session.prepare(os.path.dirname(target))
-            pointer = Pointer(self.root, session.next_step(global_step), global_step, epoch)
+            step = session.next_step(global_step)
+            pointer = Pointer(self.root, step, global_step, epoch, session.root_id)
             metadata = {
                 "lightning": {
                     "file": os.path.basename(target),
                     "path": target,
                     "global_step": global_step,
                     "epoch": epoch,
+                    "root_id": session.root_id,
                 }
             }
             session.save(target, state, pointer, metadata)
@@ -168,9 +188,9 @@ class AiockptCheckpointIO(CheckpointIO):
         device = _device(map_location)
         target = os.path.abspath(_pointer.local_path(path))
         self.wait()  # a pointer is written once its save commits
-        with self._using() as session:
+        with self._using(load=True) as session:
             # (Opening a writer put right what a killed run left: the pointer is read after.)
-            pointer = self._pointer_at(target)
+            pointer = self._pointer_at(session, target)
             if not session.writer:
                 # A reader sees what the writer puts right as it opens, whether or not the
                 # writer has yet: every rank loads the same checkpoint.
@@ -240,10 +260,12 @@ class AiockptCheckpointIO(CheckpointIO):
                 "epoch": epoch,
                 # The checkpoint's top-level keys; a checkpoint saved by every rank has them.
                 "keys": list(checkpoint),
+                "root_id": session.root_id,
             }
         }
+        pointer = Pointer(self.root, step, global_step, epoch, session.root_id)
         with self._lock:
-            session.save(target, state, Pointer(self.root, step, global_step, epoch), metadata)
+            session.save(target, state, pointer, metadata)
 
     def _load_sharded(
         self,
@@ -293,7 +315,7 @@ class AiockptCheckpointIO(CheckpointIO):
         """The step that the pointer at ``path`` names, and the top-level keys of its
         checkpoint, which must have been saved sharded."""
         target = os.path.abspath(_pointer.local_path(path))
-        pointer = self._pointer_at(target)
+        pointer = self._pointer_at(session, target)
         info = session.info(pointer.step)
         if info is None:
             raise FileNotFoundError(
@@ -309,8 +331,9 @@ class AiockptCheckpointIO(CheckpointIO):
             )
         return pointer.step, info.keys
 
-    def _pointer_at(self, target: str) -> Pointer:
-        """The pointer in the file ``target``, of this plugin's root."""
+    def _pointer_at(self, session: Session, target: str) -> Pointer:
+        """The pointer in the file ``target``, of the session's root (by the root's id,
+        however either spells the root: see Session.whose)."""
         if not os.path.exists(target):
             raise FileNotFoundError(f"Checkpoint file not found: {target}")
         pointer = _pointer.read(target)
@@ -319,12 +342,26 @@ class AiockptCheckpointIO(CheckpointIO):
                 f"{target} is not an aiockpt-lightning pointer file (a checkpoint written "
                 "by torch.save? load it without the AiockptCheckpointIO plugin)"
             )
-        if pointer.root != self.root:
+        whose = session.whose(pointer)
+        if whose == "own":
+            return pointer
+        here = f"this plugin's root is {self.root} (root id {session.root_id or 'none yet'})"
+        if whose == "unknown":
             raise ValueError(
-                f"{target} names a checkpoint of the aiockpt root {pointer.root}, and this "
-                f"plugin's root is {self.root}: use AiockptCheckpointIO({pointer.root!r})"
+                f"{target} names a checkpoint of the aiockpt root {pointer.root}, which cannot "
+                f"be read to tell whether it is this plugin's root, and {here}: use "
+                f"AiockptCheckpointIO({pointer.root!r}) where that root can be read"
             )
-        return pointer
+        if pointer.root_id is not None and pointer.root == self.root:
+            raise ValueError(
+                f"{target} names a checkpoint of the aiockpt root once at {pointer.root} (root "
+                f"id {pointer.root_id}), and {here}: the root there is not the one the "
+                "pointer was saved for (made again since, or its _root.json replaced)"
+            )
+        raise ValueError(
+            f"{target} names a checkpoint of the aiockpt root {session.describe(pointer)}, "
+            f"and {here}: use AiockptCheckpointIO({pointer.root!r})"
+        )
 
     def remove_checkpoint(self, path: _PATH) -> None:
         """Remove the checkpoint at ``path``: the pointer file at once, the aiockpt checkpoint

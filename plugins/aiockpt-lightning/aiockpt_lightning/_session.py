@@ -12,9 +12,15 @@ saves (AiockptFSDPStrategy): every rank saves its own part of each checkpoint, a
 0's session alone keeps the pointers; the other ranks' sessions are *members*, which only save
 and load.
 
-Each committed checkpoint records, in its metadata, the path of its pointer. A writing session
-uses that to put right what a killed run left (see :meth:`Session.recover`); a reading one to
-load, for a pointer, the newest checkpoint committed for it (see :meth:`Session.resolve`).
+Each committed checkpoint records, in its metadata, the path of its pointer and the id of the
+root it was saved into. A writing session uses that to put right what a killed run left (see
+:meth:`Session.recover`); a reading one to load, for a pointer, the newest checkpoint
+committed for it (see :meth:`Session.resolve`).
+
+Pointers are matched to the session's root by the root's id, never by how its path or URL is
+spelled (see :meth:`Session.whose`), and a checkpoint is deleted only where the session can
+prove it is an orphan of its own root (see :meth:`Session.orphan`): where a doubt remains, it
+is kept and a warning says which pointer and which root.
 """
 
 from __future__ import annotations
@@ -29,13 +35,15 @@ import shutil
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from aiockpt import CheckpointManager, SyncSaveHandle
+from aiockpt._core.identity import read_root_id
+from aiockpt.errors import CheckpointNotFoundError
 from aiockpt.storage import Storage, open_storage
 
 from . import _pointer
-from ._pointer import Pointer
+from ._pointer import Pointer, UnreadablePointerError
 
 __all__ = ["SAVES_PER_GLOBAL_STEP", "Session"]
 
@@ -51,6 +59,9 @@ log = logging.getLogger("aiockpt_lightning")
 #: Sessions still open, closed at interpreter exit (see _close_at_exit).
 _OPEN: weakref.WeakSet[Session] = weakref.WeakSet()
 
+#: How a pointer relates to a session's root (see Session.whose).
+Whose = Literal["own", "other", "unknown"]
+
 
 @dataclass(frozen=True)
 class _Committed:
@@ -63,6 +74,8 @@ class _Committed:
     epoch: int
     #: The checkpoint's top-level keys, for one saved sharded (by every rank); else None.
     keys: tuple[str, ...] | None = None
+    #: The id of the root it was saved into; None for one saved before the plugin recorded it.
+    root_id: str | None = None
 
 
 @dataclass(eq=False)
@@ -103,12 +116,18 @@ class Session:
         which saves its parts and loads, and keeps no pointers."""
         self.root = root
         self.writer = writer
+        self._root_id: str | None = None
+        #: What the roots that older pointers name are, by their path or URL (see whose).
+        self._identities: dict[str, tuple[bool, str | None]] = {}
+        self._identities_lock = threading.Lock()
         self.shared = shared or member
         self.member = member
         self._storage_options = manager_kwargs.get("storage_options")
         options = dict(manager_kwargs, process_group=process_group)
         if not writer:
-            options.pop("takeover", None)
+            # A reader takes no lease and writes no tier.
+            for key in ("takeover", "local", "persist_every"):
+                options.pop(key, None)
             options["read_only"] = True
         self.manager = CheckpointManager(root, **options)
         self.manager.open()
@@ -147,14 +166,140 @@ class Session:
             meta = (manifest.get("metadata") or {}).get("lightning") or {}
             path = meta.get("path")
             keys = meta.get("keys")
+            root_id = meta.get("root_id")
             out[step] = _Committed(
                 float(manifest.get("created_at", 0.0)),
                 path if isinstance(path, str) else None,
                 int(meta.get("global_step", 0)),
                 int(meta.get("epoch", 0)),
                 tuple(str(k) for k in keys) if isinstance(keys, list) else None,
+                str(root_id) if root_id is not None else None,
             )
         return out
+
+    # ----------------------------------------------------------------- identity
+
+    @property
+    def root_id(self) -> str | None:
+        """The root's id: a writer's always (made at its open if the root had none); a
+        reader's None while no writer has opened the root since roots had ids (read again
+        until one has)."""
+        if self._root_id is None:
+            self._root_id = self.manager.root_id or read_root_id(self._open_storage())
+        return self._root_id
+
+    def whose(self, pointer: Pointer) -> Whose:
+        """Whether ``pointer`` names a checkpoint of this root (``"own"``), of another
+        (``"other"``), or cannot be told (``"unknown"``): by the root id it records, never by
+        how it spells the root's path or URL.
+
+        A pointer written before pointers recorded the root's id is matched by the id of
+        the root that its path or URL opens now: this root's id is this root; another id,
+        or none where this root has one, is another root (any spelling of this root opens
+        this root, and reads its id). Only where neither has an id (a reader of a root no
+        writer opened since roots had ids, which deletes nothing) is it matched as before:
+        the same local directory, or the same spelling. A root that cannot be opened or
+        read (another protocol, no access) leaves it unknown."""
+        ours = self.root_id
+        if pointer.root_id is not None:
+            return "own" if pointer.root_id == ours else "other"
+        known, theirs = self._identity_of(pointer.root)
+        if known and theirs is not None:
+            return "own" if theirs == ours else "other"
+        if known and ours is not None:
+            return "other"
+        if ours is None:
+            same = _same_directory(pointer.root, self.root)
+            if same is not None:
+                return "own" if same else "other"
+            if pointer.root == self.root:
+                return "own"
+        return "unknown"
+
+    def _identity_of(self, root: str) -> tuple[bool, str | None]:
+        """Whether the root at ``root`` (a path or URL) could be read, and its id (None: it
+        has none, or does not exist). Read once per session; only on this root's protocol,
+        with its storage options."""
+        with self._identities_lock:
+            found = self._identities.get(root)
+        if found is not None:
+            return found
+        found = (False, None)
+        protocol = _protocol(root)
+        if protocol == _protocol(self.root):
+            options = None if protocol == "file" else self._storage_options
+            try:
+                storage = open_storage(root, options)
+                try:
+                    found = (True, read_root_id(storage))
+                finally:
+                    storage.close()
+            except Exception as e:
+                log.debug("the root %s cannot be identified: %s", root, e)
+        with self._identities_lock:
+            self._identities[root] = found
+        return found
+
+    def describe(self, pointer: Pointer) -> str:
+        """The root ``pointer`` names, for a message."""
+        return f"{pointer.root} (root id {pointer.root_id or 'not recorded'})"
+
+    def orphan(
+        self,
+        step: int,
+        info: _Committed,
+        also: tuple[str, ...] = (),
+        scans: dict[str, tuple[dict[str, Pointer], list[str]] | None] | None = None,
+    ) -> tuple[bool, str | None]:
+        """``(True, None)`` where committed ``step`` is provably an orphan of this root, to
+        be deleted: saved through the plugin into this root (by the root id it records,
+        where it records one), and no pointer file of the directory of the pointer it was
+        saved for (nor of the directories ``also``) names it. Else ``(False, None)`` where a
+        pointer of this root names it, or ``(False, doubt)``, the doubt naming the pointer
+        and root at fault: a pointer of a root that cannot be identified that names this
+        step, the file the step was saved for holding another root's pointer, a pointer file
+        that cannot be read, the directory gone. ``scans`` caches the directories' pointers
+        (None: the directory is missing)."""
+        if info.path is None:
+            return False, "it was not saved through aiockpt-lightning"
+        ours = self.root_id
+        if info.root_id is not None and info.root_id != ours:
+            return False, (
+                f"it records the root id {info.root_id}, and this root's id is {ours} (copied "
+                "from another root, or this root's _root.json was replaced?)"
+            )
+        scans = {} if scans is None else scans
+        doubt = None
+        for directory in dict.fromkeys((os.path.dirname(info.path), *also)):
+            if directory not in scans:
+                try:
+                    scans[directory] = _pointer.scan(directory)
+                except FileNotFoundError:
+                    scans[directory] = None
+            scan = scans[directory]
+            if scan is None:
+                doubt = doubt or f"the directory {directory} of its pointer is gone (moved?)"
+                continue
+            pointers, unreadable = scan
+            for name in unreadable:
+                path = os.path.join(directory, name)
+                doubt = doubt or f"{path} is a pointer file this version cannot read"
+            for name, pointer in pointers.items():
+                path = os.path.join(directory, name)
+                whose = self.whose(pointer)
+                if whose == "own" and pointer.step == step:
+                    return False, None
+                if whose == "unknown" and pointer.step == step:
+                    doubt = doubt or (
+                        f"{path} names step {step} of {self.describe(pointer)}, a root that "
+                        "cannot be identified"
+                    )
+                elif path == info.path and whose != "own":
+                    doubt = doubt or (
+                        f"{path}, the pointer file it was saved for, now names step "
+                        f"{pointer.step} of {self.describe(pointer)}, not of this root"
+                    )
+        return doubt is None, doubt
 
     def info(self, step: int) -> _Committed | None:
         """What the manifest of ``step`` says, if it is committed (one committed since this
@@ -170,19 +315,22 @@ class Session:
         committed for ``path`` after the one ``pointer`` names (a run killed between that
         commit and the rewrite of the pointer file). A pointer to a step that never
         committed stays as it is: its name was taken by a save that did not finish."""
-        if pointer.root != self.root or pointer.step not in self.committed:
+        if pointer.step not in self.committed or self.whose(pointer) != "own":
             return pointer
         best, when = pointer, self.committed[pointer.step].created_at
         for step, info in self.committed.items():
             if info.path == path and (info.created_at, step) > (when, best.step):
-                best, when = Pointer(self.root, step, info.global_step, info.epoch), info.created_at
+                best = Pointer(self.root, step, info.global_step, info.epoch, self.root_id)
+                when = info.created_at
         return best
 
     def recover(self) -> None:
         """Put right what a killed run left, in the directories of this root's pointers:
-        remove temporary pointer files of processes that are gone and pointers to steps that
-        never committed; point each pointer file at the newest checkpoint committed for it;
-        delete the checkpoints saved through the plugin that no pointer file names."""
+        remove temporary pointer files of processes that are gone and this root's pointers
+        to steps that never committed; point each pointer file of this root at the newest
+        checkpoint committed for it; delete the checkpoints saved through the plugin that
+        are provably orphans of this root (see orphan), and say which others no pointer of
+        this root names, and why they are kept."""
         paths = {info.path for info in self.committed.values() if info.path is not None}
         for directory in sorted({os.path.dirname(p) for p in paths}):
             self._tidy(directory)
@@ -193,15 +341,30 @@ class Session:
             newest = self.resolve(path, current)
             if newest != current:
                 _pointer.write(path, newest)
-        named: set[int] = set()
-        for directory in {os.path.dirname(p) for p in paths}:
-            named |= _pointer.steps_named_in(directory, self.root)
+        scans: dict[str, tuple[dict[str, Pointer], list[str]] | None] = {}
+        kept = []
         for step, info in sorted(self.committed.items()):
-            if info.path is not None and step not in named:
+            if info.path is None:
+                continue  # not saved through the plugin: not the plugin's to delete
+            orphan, doubt = self.orphan(step, info, scans=scans)
+            if orphan:
                 # (It stays taken: the manager, which listed it as it opened, would refuse
                 # a save of it as a step already committed.)
                 self._delete(step)
                 del self.committed[step]
+            elif doubt is not None:
+                kept.append(f"step {step} (saved for {info.path}): {doubt}")
+        if kept:
+            log.warning(
+                "aiockpt-lightning kept %d checkpoint(s) of the root %s (root id %s) that no "
+                "pointer file of this root names, since it cannot prove them orphans of this "
+                "root; delete one with aiockpt.CheckpointManager(root).delete(step) once "
+                "sure nothing needs it:\n  %s",
+                len(kept),
+                self.root,
+                self.root_id,
+                "\n  ".join(kept),
+            )
 
     def _tidy(self, directory: str) -> None:
         """Remove from ``directory`` the temporary pointer files of processes that are gone,
@@ -221,8 +384,8 @@ class Session:
             pointer = _read_pointer(path)
             if (
                 pointer is not None
-                and pointer.root == self.root
                 and pointer.step not in self._taken
+                and self.whose(pointer) == "own"
             ):
                 _unlink(path)
 
@@ -274,6 +437,7 @@ class Session:
     def remove(self, path: str) -> None:
         """Remove the checkpoint at ``path``: its pointer now, its aiockpt checkpoint once no
         pointer names it and it has committed. Saves to ``path`` still pending are dropped."""
+        unreadable = None
         with self._lock:
             for job in self._pending.get(path, ()):
                 job.cancelled = True
@@ -287,9 +451,15 @@ class Session:
                 old = _pointer.read(path)
             except FileNotFoundError:
                 return
+            except UnreadablePointerError as e:
+                old, unreadable = None, e
             os.unlink(path)
-        if old is not None and old.root == self.root:
-            self._jobs.put(_Forget(os.path.dirname(path), old.step))
+        if unreadable is not None:
+            log.warning(
+                "removed %s; the checkpoint it names, if any, is kept: %s", path, unreadable
+            )
+        elif old is not None:
+            self._forget_named(path, old, "removed")
 
     def wait(self) -> None:
         """Wait until every save has committed and its pointer is written; raise the first
@@ -355,17 +525,24 @@ class Session:
             with self._lock:
                 self._unpend(job)
             raise
-        old = None
+        old = unreadable = None
         with self._lock:
             self._unpend(job)
             if not job.cancelled:
                 if os.path.isfile(job.path) and not os.path.islink(job.path):
-                    old = _pointer.read(job.path)
+                    try:
+                        old = _pointer.read(job.path)
+                    except UnreadablePointerError as e:
+                        unreadable = e
                 _pointer.write(job.path, job.pointer)
         if job.cancelled:
             self._delete(job.pointer.step)
-        elif old is not None and old.root == self.root and old.step != job.pointer.step:
-            self._forget(os.path.dirname(job.path), old.step)
+        elif unreadable is not None:
+            log.warning(
+                "replaced %s; the checkpoint it named, if any, is kept: %s", job.path, unreadable
+            )
+        elif old is not None and old.step != job.pointer.step:
+            self._forget_named(job.path, old, "replaced")
 
     def _unpend(self, job: _Save) -> None:
         assert job.path is not None
@@ -374,13 +551,62 @@ class Session:
         if not jobs:
             del self._pending[job.path]
 
+    def _forget_named(self, path: str, old: Pointer, done: str) -> None:
+        """The pointer ``old`` at ``path`` was removed or replaced (``done``): its checkpoint
+        goes if it is this root's and an orphan now (see _forget). One of another root is
+        that root's to keep or delete; one of a root that cannot be identified is kept."""
+        whose = self.whose(old)
+        if whose == "own":
+            if done == "removed":
+                self._jobs.put(_Forget(os.path.dirname(path), old.step))
+            else:
+                self._forget(os.path.dirname(path), old.step)
+        elif whose == "unknown":
+            log.warning(
+                "%s %s, which named step %d of %s, a root that cannot be identified as this "
+                "one (%s, root id %s) or another: that checkpoint is kept",
+                done,
+                path,
+                old.step,
+                self.describe(old),
+                self.root,
+                self.root_id,
+            )
+
     def _forget(self, directory: str, step: int) -> None:
-        if not _pointer.referenced_in(directory, self.root, step):
+        """Delete this root's committed ``step`` if it is an orphan now that a pointer to it
+        in ``directory`` is gone (see orphan); else keep it, saying why if in doubt."""
+        info = self.info(step)
+        if info is None:
+            return  # deleted already (its save was cancelled), or never committed
+        orphan, doubt = self.orphan(step, info, also=(directory,))
+        if orphan:
             self._delete(step)
+            self.committed.pop(step, None)
+        elif doubt is not None:
+            log.warning(
+                "aiockpt-lightning kept step %d of the root %s (root id %s), which no pointer "
+                "file of this root names any more, since it cannot prove it an orphan of this "
+                "root: %s",
+                step,
+                self.root,
+                self.root_id,
+                doubt,
+            )
 
     def _delete(self, step: int) -> None:
-        """Delete a committed step as aiockpt's format prescribes: its manifest first, so a
-        deletion cut short leaves a partial directory, never a damaged checkpoint."""
+        """Delete a committed step as aiockpt deletes one: its manifest first, so that a
+        deletion cut short leaves a partial directory, never a damaged checkpoint, and the
+        files that later checkpoints read blocks from (deduplicated, see docs/format.md,
+        "Block tables") kept until they do not. Through the manager, on the writer's thread
+        in its daemon, after the saves queued before it. A shared session's manager spans
+        every rank, where a delete is a collective that global rank 0 cannot make alone: it
+        deletes the step's directory itself, which its saves allow, being made without
+        deduplication (see AiockptCheckpointIO._open_shared)."""
+        if not self.shared:
+            with contextlib.suppress(CheckpointNotFoundError):  # gone already
+                self.manager.delete(step, allow_latest=True)
+            return
         storage = self._open_storage()
         directory = f"step_{step:012d}"
         storage.delete(f"{directory}/manifest.json")
@@ -388,12 +614,28 @@ class Session:
 
 
 def _read_pointer(path: str) -> Pointer | None:
-    """The pointer in the regular file at ``path``; None for anything else."""
+    """The pointer in the regular file at ``path``; None for anything else (a file marked
+    as a pointer that cannot be read included)."""
     if os.path.islink(path) or not os.path.isfile(path):
         return None
     try:
         return _pointer.read(path)
-    except OSError:
+    except (OSError, UnreadablePointerError):
+        return None
+
+
+def _protocol(root: str) -> str:
+    """The protocol of a root's path or URL: ``file`` for a local path."""
+    return root.split("://", 1)[0] if "://" in root else "file"
+
+
+def _same_directory(a: str, b: str) -> bool | None:
+    """Whether the local roots ``a`` and ``b`` are one directory (by device and inode,
+    whatever links lead to it); None where either is not a local directory there now."""
+    try:
+        paths = [_pointer.local_path(r) for r in (a, b)]
+        return os.path.samefile(*paths)
+    except (ValueError, OSError):
         return None
 
 

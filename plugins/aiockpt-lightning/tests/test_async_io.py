@@ -1,13 +1,17 @@
 """The plugin wrapped in Lightning's AsyncCheckpointIO, which saves from a thread of its own
-while removals come from the training thread.
+while removals come from the training thread; and loads by a second plugin instance while the
+first still holds the root.
 
 Ported from Lightning's plugins/test_checkpoint_io_plugin.py (``test_async_checkpoint_plugin``):
-a ``validate`` then a ``fit`` of three one-batch epochs, top 2 by step.
+a ``validate`` then a ``fit`` of three one-batch epochs, top 2 by step; after it, a new
+plugin on the same root loads the checkpoint.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -18,6 +22,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from test_lightning import committed_steps, pointers
+
+from aiockpt import RootLockedError
 
 pytestmark = [
     pytest.mark.filterwarnings(
@@ -53,6 +59,17 @@ def test_under_async_checkpoint_io(tmp_path: Path, plugin: Any) -> None:
     assert committed_steps(root) == sorted(pointers(dirpath).values())
     assert io.load_checkpoint(dirpath / "epoch=2-step=3.ckpt")["global_step"] == 3
 
+    # The plugin still holds the root (AsyncCheckpointIO did not tear it down): a new plugin
+    # on the same root loads beside it, and the first goes on saving.
+    second = plugin(root)
+    loaded = second.load_checkpoint(dirpath / "epoch=2-step=3.ckpt")
+    assert loaded["global_step"] == 3
+    assert torch.equal(loaded["state_dict"]["net.weight"], model.net.weight.detach())
+    assert second.load_checkpoint(dirpath / "epoch=1-step=2.ckpt")["global_step"] == 2
+    io.save_checkpoint({"global_step": 4, "epoch": 3}, dirpath / "more.ckpt")
+    io.wait()
+    assert second.load_checkpoint(dirpath / "more.ckpt")["global_step"] == 4
+
 
 def test_first_use_from_several_threads_opens_one_manager(tmp_path: Path, plugin: Any) -> None:
     io = plugin(tmp_path / "root")
@@ -80,3 +97,47 @@ def test_first_use_from_several_threads_opens_one_manager(tmp_path: Path, plugin
     io.wait()
     assert set(pointers(dirpath)) == {"0.ckpt", "2.ckpt"}
     assert torch.equal(io.load_checkpoint(dirpath / "2.ckpt")["w"], torch.full((3,), 2.0))
+
+
+HOLD = """
+import sys, torch
+from aiockpt_lightning import AiockptCheckpointIO
+
+io = AiockptCheckpointIO(sys.argv[1])
+io.save_checkpoint({"global_step": 7, "w": torch.arange(3.0)}, sys.argv[2])
+io.wait()
+print("saved", flush=True)
+sys.stdin.read()  # holds the root until the test is done with it
+io.save_checkpoint({"global_step": 8, "w": torch.arange(3.0)}, sys.argv[2])
+io.teardown()
+print("saved again", flush=True)
+"""
+
+
+def test_a_load_reads_beside_a_writer_of_another_process(tmp_path: Path, plugin: Any) -> None:
+    root, ckpt = tmp_path / "root", tmp_path / "ckpts" / "last.ckpt"
+    writer = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(root), str(ckpt)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert writer.stdout is not None
+        assert writer.stdout.readline() == "saved\n"
+        reader = plugin(root)
+        loaded = reader.load_checkpoint(ckpt)
+        assert loaded["global_step"] == 7
+        assert torch.equal(loaded["w"], torch.arange(3.0))
+        with pytest.raises(RootLockedError):  # a removal needs the lease
+            reader.remove_checkpoint(ckpt)
+        out, err = writer.communicate("", timeout=120)
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+            writer.communicate()
+    assert writer.returncode == 0, err[-3000:]
+    assert out == "saved again\n"
+    assert reader.load_checkpoint(ckpt)["global_step"] == 8
+    assert committed_steps(root) == [8 * 1000]

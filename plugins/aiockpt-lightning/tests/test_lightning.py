@@ -181,6 +181,31 @@ def test_save_top_k_removes_pointers_and_their_checkpoints(tmp_path: Path, plugi
     io.teardown()
 
 
+def test_deleting_a_checkpoint_keeps_what_later_ones_read_from_it(
+    tmp_path: Path, plugin: Any
+) -> None:
+    # A tensor of 16 MiB, unchanged between two saves: the second checkpoint reads its bytes
+    # from the first one's file (aiockpt deduplicates), as last.ckpt saved at the same global
+    # step as a top-k checkpoint does.
+    root, ckpts = tmp_path / "root", tmp_path / "ckpts"
+    first, last = 8 * SAVES_PER_GLOBAL_STEP, 8 * SAVES_PER_GLOBAL_STEP + 1
+    weights = torch.arange(4 << 20, dtype=torch.float32)
+    io = plugin(root)
+    io.save_checkpoint({"global_step": 8, "w": weights}, ckpts / "epoch=0-step=8.ckpt")
+    io.wait()
+    io.save_checkpoint({"global_step": 8, "w": weights}, ckpts / "last.ckpt")
+    io.wait()
+    manifest = json.loads((root / f"step_{last:012d}" / "manifest.json").read_text())
+    sources = {b[2] for shard in manifest["shards"] for b in shard.get("blocks", [])}
+    assert any(s.startswith(f"step_{first:012d}/") for s in sources)  # it reads from it
+    io.remove_checkpoint(ckpts / "epoch=0-step=8.ckpt")  # as save_top_k does
+    io.teardown()
+    assert committed_steps(root) == [last]
+
+    io = plugin(root)
+    assert torch.equal(io.load_checkpoint(ckpts / "last.ckpt")["w"], weights)
+
+
 def test_what_cannot_be_stored_is_refused_naming_every_key_path(
     tmp_path: Path, plugin: Any
 ) -> None:
