@@ -45,6 +45,7 @@ def shards(root: Path, step: int) -> list[int]:
     return sorted(int(shard["rank"]) for shard in manifest["shards"])
 
 
+@pytest.mark.timeout(360)  # two-rank Lightning fits, about 70 s on a quiet 2-core machine
 def test_fsdp_saves_shards_and_resumes_bit_exact(tmp_path: Path, full: dict[str, Any]) -> None:
     root, ckpts = tmp_path / "root", tmp_path / "ckpts"
     args = (str(root), str(ckpts))
