@@ -23,7 +23,9 @@ async def test_a_load_error_the_caller_catches_is_not_logged_with_its_traceback(
         await (await mgr.save(1, {"w": torch.arange(1000.0)}))
         flip_byte(shard_path(root, 1), 5000)
         with caplog.at_level(logging.INFO, logger="aiockpt"), pytest.raises(CorruptCheckpointError):
-            await mgr.load(1)
+            # into=: a load the daemon reads (a plain load() of a local root is read, and
+            # its error raised, in this process; tests/test_direct_loads.py)
+            await mgr.load(1, into={"w": torch.zeros(1000)})
     logged = [r for r in caplog.records if r.name == "aiockpt" and r.levelno >= logging.INFO]
     (line,) = [r for r in logged if r.getMessage().startswith("load.exception")]
     assert line.levelno == logging.ERROR
