@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from aiockpt import AsyncCheckpointManager
 from aiockpt._core import format as fmt
+from aiockpt._core.identity import KEY_FILE, ROOT_FILE
 from aiockpt._core.lease import LEASE_DIR
 from aiockpt._core.protocol import LoadAsk, LoadReq, RecordsReq, StepsReq
 from aiockpt.errors import CheckpointError, CheckpointNotFoundError, StorageError
@@ -292,8 +293,8 @@ def state(step: int) -> dict:
 
 
 def step_dirs(root: str) -> list[str]:
-    """What the root holds besides the lease of its writer."""
-    return sorted(n for n in os.listdir(root) if n != LEASE_DIR)
+    """What the root holds besides the lease of its writer and its identity."""
+    return sorted(n for n in os.listdir(root) if n not in (LEASE_DIR, KEY_FILE, ROOT_FILE))
 
 
 def dirnames(*steps: int) -> list[str]:
@@ -611,12 +612,13 @@ async def test_start_up_reads_no_manifest_and_retention_reads_each_once(root):
     storage = ReadCounting(root)
     with daemon_in_process(root, LatestN(2), storage) as daemon:
         daemon.start()
-        assert storage.read == []
+        assert storage.read == [ROOT_FILE]  # the root's id, and no manifest
         for _ in range(2):
             deleted, error = daemon.pruner.apply("uuid", 3)
             assert error is None
         assert deleted == []
-        assert sorted(storage.read) == [f"{fmt.step_dirname(s)}/{fmt.MANIFEST}" for s in (1, 2, 3)]
+        manifests = [f"{fmt.step_dirname(s)}/{fmt.MANIFEST}" for s in (1, 2, 3)]
+        assert sorted(storage.read) == [ROOT_FILE, *manifests]
         assert daemon.handle(StepsReq(0)) == (2, 3)
 
 

@@ -15,7 +15,8 @@ from .plan import _Plan
 
 def local_of(storage: Any, path: str) -> LocalStorage | None:
     """The local storage ``path`` is read from through ``storage`` (the counted root, a local
-    tier's view), or None when it is not a local file (an object store, a peer's replica)."""
+    tier's view), or None when it is not a plain local file (an object store, a peer's
+    replica, a storage whose reads are its own)."""
     from ..tiers import TierView  # the tiers' module builds on this package's Reader
 
     while True:
@@ -24,7 +25,8 @@ def local_of(storage: Any, path: str) -> LocalStorage | None:
         elif isinstance(storage, TierView):
             storage = storage._pick(path)  # the tier a read would take, and said as it does
         elif isinstance(storage, LocalStorage):
-            return storage
+            # A subclass's own reads (a plugin's, a test's failing storage) are its to make.
+            return storage if type(storage).readinto is LocalStorage.readinto else None
         else:
             return None
 
