@@ -255,7 +255,7 @@ async def test_one_writer_per_azure_root(azurite: AzuriteServer, container: str)
     url, options = f"az://{container}/run", azurite.options(**FAST)
     async with AsyncCheckpointManager(url, storage_options=options) as first:
         await (await first.save(1, _state(1024, 1)))
-        with pytest.raises(RootLockedError, match="is leased by another writer"):
+        with pytest.raises(RootLockedError, match="is leased by this process"):
             async with AsyncCheckpointManager(url, storage_options=options):
                 pass
         async with AsyncCheckpointManager(url, storage_options=options, takeover=True) as second:

@@ -555,7 +555,7 @@ async def test_one_writer_per_s3_root(s3: S3Server, bucket: str) -> None:
     url, options = f"s3://{bucket}/run", s3.options(**FAST)
     async with AsyncCheckpointManager(url, storage_options=options) as first:
         await (await first.save(1, _state(1024, 1)))
-        with pytest.raises(RootLockedError, match="is leased by another writer") as info:
+        with pytest.raises(RootLockedError, match="is leased by this process") as info:
             async with AsyncCheckpointManager(url, storage_options=options):
                 pass
         assert info.value.holder is not None
